@@ -1,0 +1,91 @@
+"""What both operator suites share. asv skips names with a leading underscore, so this base is
+not itself a benchmark; bench_<op>.py subclasses it with the operator and its case ids.
+
+The measurement (tilepilot.measure, CUDA events, L2 flush, adaptive sampling) runs once per
+operator in setup_cache; each track_ returns one case's value, latencies as samples so that asv's
+own statistics serve `asv compare` and the gate.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's tilepilot and kernels
+
+from tilepilot import cases, matrix
+
+
+def case_ids(op: str) -> list[str]:
+    return [c.id for c in cases.expand(matrix.load()) if c.op == op]
+
+
+class _OperatorSuite:
+    op = ""
+    param_names = ["case"]
+    timeout = 1800.0
+
+    def setup_cache(self) -> dict[str, Any]:
+        from tilepilot.measure import measure_operator
+
+        run_dir = os.environ.get("TILEPILOT_RUN_DIR")
+        return measure_operator(
+            self.op, os.environ.get("TILEPILOT_DEVICE", "sm90"), os.environ.get("TILEPILOT_CASES") or None,
+            Path(run_dir) if run_dir else None,
+        )  # fmt: skip
+
+    @staticmethod
+    def _side(data: dict[str, Any], case: str, side: str) -> dict[str, Any]:
+        res = data["cases"].get(case)
+        if res is None or res.get(side) is None:
+            raise NotImplementedError  # asv records "skipped", never a value
+        return res[side]  # type: ignore[no-any-return]
+
+    def track_kernel_ms(self, data: dict[str, Any], case: str) -> dict[str, Any]:
+        return {"samples": self._side(data, case, "kernel")["samples_ms"], "number": 1}
+
+    track_kernel_ms.unit = "ms"  # type: ignore[attr-defined]
+
+    def track_reference_ms(self, data: dict[str, Any], case: str) -> dict[str, Any]:
+        return {"samples": self._side(data, case, "reference")["samples_ms"], "number": 1}
+
+    track_reference_ms.unit = "ms"  # type: ignore[attr-defined]
+
+    def track_speedup(self, data: dict[str, Any], case: str) -> float:
+        self._side(data, case, "kernel")
+        return float(data["cases"][case]["speedup"])
+
+    track_speedup.unit = "x"  # type: ignore[attr-defined]
+
+    def track_kernel_tflops(self, data: dict[str, Any], case: str) -> float:
+        return float(self._side(data, case, "kernel")["tflops"])
+
+    track_kernel_tflops.unit = "TFLOP/s"  # type: ignore[attr-defined]
+
+    def track_kernel_peak_mib(self, data: dict[str, Any], case: str) -> float:
+        return float(self._side(data, case, "kernel")["peak_mib"])
+
+    track_kernel_peak_mib.unit = "MiB"  # type: ignore[attr-defined]
+
+    def track_reference_peak_mib(self, data: dict[str, Any], case: str) -> float:
+        return float(self._side(data, case, "reference")["peak_mib"])
+
+    track_reference_peak_mib.unit = "MiB"  # type: ignore[attr-defined]
+
+    def track_cold_compile_s(self, data: dict[str, Any], case: str) -> float:
+        value = data["compile"].get(case, {}).get("cold_s")
+        if value is None:
+            raise NotImplementedError
+        return float(value)
+
+    track_cold_compile_s.unit = "s"  # type: ignore[attr-defined]
+
+    def track_warm_start_s(self, data: dict[str, Any], case: str) -> float:
+        value = data["compile"].get(case, {}).get("warm_s")
+        if value is None:
+            raise NotImplementedError
+        return float(value)
+
+    track_warm_start_s.unit = "s"  # type: ignore[attr-defined]

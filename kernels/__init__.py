@@ -1,0 +1,20 @@
+"""The shippable TileLang kernels, each with the framework op as its tested fallback.
+
+from kernels import gemm, attention, fallback_reasons
+y = gemm(x, w, trans_b=True)            # x @ w.T, as nn.Linear
+o = attention(q, k, v, causal=True)     # as F.scaled_dot_product_attention
+"""
+
+from kernels._fallback import clear as clear_fallback_reasons
+from kernels._fallback import reasons as fallback_reasons
+from kernels.attention import attention
+from kernels.gemm import gemm
+
+__all__ = ["attention", "clear_fallback_reasons", "fallback_reasons", "gemm"]
+
+
+def operator_module(op: str):  # type: ignore[no-untyped-def]
+    """The module of one operator (build, reference, program), which its public function shadows."""
+    import importlib
+
+    return importlib.import_module(f"kernels.{op}")

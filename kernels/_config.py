@@ -1,0 +1,79 @@
+"""Per-device pinned kernel configs (kernels/configs/<device>.toml) and the rules that pick one.
+
+A rule's `when` table matches case dimensions (`<dim>_min`, `<dim>_max`) and names (dtype, layout,
+mask). Matching rules apply in file order, each overriding config keys; a matching
+`backend = "framework"` rule sends the call to the framework op, with its measured `reason`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+
+
+@dataclass(frozen=True)
+class Choice:
+    backend: str  # "tilelang" | "framework"
+    config: dict[str, Any]
+    reason: str = ""
+
+
+@functools.cache
+def load(device: str) -> dict[str, Any] | None:
+    path = CONFIG_DIR / f"{device}.toml"
+    if not path.exists():
+        return None
+    return tomllib.loads(path.read_text(encoding="utf-8"))
+
+
+def devices() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+
+
+def device_for_capability(major: int, minor: int) -> str | None:
+    for dev in devices():
+        cfg = load(dev)
+        if cfg and tuple(cfg["compute_capability"]) == (major, minor):
+            return dev
+    return None
+
+
+def target(device: str) -> dict[str, str]:
+    cfg = load(device)
+    if cfg is None:
+        raise KeyError(device)
+    return dict(cfg["target"])
+
+
+def _matches(when: dict[str, Any], facts: dict[str, Any]) -> bool:
+    for key, want in when.items():
+        if key.endswith("_max"):
+            if facts[key[:-4]] > want:
+                return False
+        elif key.endswith("_min"):
+            if facts[key[:-4]] < want:
+                return False
+        elif facts[key] != want:
+            return False
+    return True
+
+
+def choose(device: str, op: str, facts: dict[str, Any]) -> Choice | None:
+    """The pinned choice for these facts, or None when the device has no config for `op`."""
+    cfg = load(device)
+    if cfg is None or op not in cfg:
+        return None
+    section = cfg[op]
+    base = dict(section["default"])
+    for rule in section.get("rules", []):
+        if _matches(rule.get("when", {}), facts):
+            if rule.get("backend") == "framework":
+                return Choice("framework", base, rule.get("reason", "config prefers the framework op"))
+            base.update({k: v for k, v in rule.items() if k not in ("when", "note")})
+    return Choice("tilelang", base)

@@ -1,0 +1,92 @@
+"""What every public kernel shares: device detection, the compile cache and the fallback decision."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kernels import _config, _fallback
+
+_lock = threading.Lock()
+_built: dict[tuple[Any, ...], Any] = {}
+_failed: dict[tuple[Any, ...], str] = {}
+
+
+@functools.cache
+def _tilelang_import_error() -> str | None:
+    try:
+        import tilelang  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken native library underneath it
+        return f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return None
+
+
+def tensor_device(*tensors: torch.Tensor) -> tuple[str | None, str]:
+    """(device id from kernels/configs, or None; a reason when None)."""
+    t0 = tensors[0]
+    if any(t.device != t0.device for t in tensors):
+        return None, "tensors are on different devices"
+    if t0.device.type != "cuda":
+        return None, f"unsupported device: {t0.device.type} tensors"
+    major, minor = torch.cuda.get_device_capability(t0.device)
+    dev = _config.device_for_capability(major, minor)
+    if dev is None:
+        return None, f"unsupported device: compute capability {major}.{minor} has no pinned config"
+    return dev, ""
+
+
+def compile_kernel(key: tuple[Any, ...], program: Callable[[], Any], target: dict[str, str]) -> Any:
+    """Compile once per key and process; TileLang's disk cache makes later processes warm."""
+    with _lock:
+        if key in _built:
+            return _built[key]
+        if key in _failed:
+            raise RuntimeError(_failed[key])
+    import tilelang
+
+    try:
+        kernel = tilelang.compile(program(), target=target)
+    except Exception as exc:
+        msg = f"{type(exc).__name__}: {exc}".strip().splitlines()
+        with _lock:
+            _failed[key] = msg[0] if msg else type(exc).__name__
+        raise
+    with _lock:
+        _built[key] = kernel
+    return kernel
+
+
+def run_or_fallback(
+    op: str,
+    device: str | None,
+    reason: str,
+    facts: dict[str, Any],
+    launch: Callable[[dict[str, Any], str], torch.Tensor],
+    framework: Callable[[], torch.Tensor],
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """Launch the TileLang kernel when everything allows it, else the framework op, recording why."""
+    if device is not None and not reason:
+        if err := _tilelang_import_error():
+            reason = f"tilelang missing: {err}"
+        else:
+            choice = _config.choose(device, op, facts)
+            if choice is None:
+                reason = f"unsupported device: no {op} config for {device}"
+            elif choice.backend == "framework":
+                reason = f"config: {choice.reason}"
+            else:
+                try:
+                    return launch(choice.config, device)
+                except Exception as exc:
+                    reason = f"compile failed: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
+    _fallback.record(op, reason)
+    result = framework()
+    if out is not None:
+        out.copy_(result)
+        return out
+    return result

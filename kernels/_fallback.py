@@ -1,0 +1,32 @@
+"""Why a call took the framework op: each reason is logged once and counted, and can be queried."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+
+log = logging.getLogger("kernels")
+_lock = threading.Lock()
+_counts: Counter[tuple[str, str]] = Counter()
+
+
+def record(op: str, reason: str) -> None:
+    with _lock:
+        first = (op, reason) not in _counts
+        _counts[(op, reason)] += 1
+    if first:
+        log.warning("kernels.%s: using the framework op: %s", op, reason)
+
+
+def reasons(op: str | None = None) -> dict[str, int]:
+    """Reason -> number of calls that fell back for it, for `op` or for all ops ("op: reason")."""
+    with _lock:
+        if op is not None:
+            return {r: n for (o, r), n in _counts.items() if o == op}
+        return {f"{o}: {r}": n for (o, r), n in _counts.items()}
+
+
+def clear() -> None:
+    with _lock:
+        _counts.clear()

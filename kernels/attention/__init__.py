@@ -1,0 +1,177 @@
+"""FlashAttention forward in TileLang: fp16/bf16, no mask or causal (top-left, as SDPA), GQA.
+# No `from __future__ import annotations` here: TileLang evaluates the prim_func annotations itself.
+
+Layout is SDPA's: q (B, Hq, Sq, D), k and v (B, Hkv, Skv, D), Hq a multiple of Hkv.
+"""
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kernels import _config, _dispatch
+
+DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+HEAD_DIMS = (64, 128)
+LOG2E = 1.44269504
+
+
+def program(
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    seq_q: int,
+    seq_kv: int,
+    head_dim: int,
+    causal: bool,
+    dtype: str,
+    cfg: dict[str, Any],
+) -> Any:
+    import tilelang.language as T
+
+    bm, bn, d = cfg["block_M"], cfg["block_N"], head_dim
+    groups = heads // kv_heads
+    scale = (1.0 / d) ** 0.5 * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2 e)
+    acc = "float32"
+
+    @T.prim_func
+    def main(
+        Q: T.Tensor((batch, heads, seq_q, d), dtype),  # type: ignore[valid-type]
+        K: T.Tensor((batch, kv_heads, seq_kv, d), dtype),  # type: ignore[valid-type]
+        V: T.Tensor((batch, kv_heads, seq_kv, d), dtype),  # type: ignore[valid-type]
+        O: T.Tensor((batch, heads, seq_q, d), dtype),  # type: ignore[valid-type]
+    ) -> None:
+        with T.Kernel(T.ceildiv(seq_q, bm), heads, batch, threads=cfg["threads"]) as (bx, by, bz):
+            q_s = T.alloc_shared((bm, d), dtype)
+            k_s = T.alloc_shared((bn, d), dtype)
+            v_s = T.alloc_shared((bn, d), dtype)
+            o_s = T.alloc_shared((bm, d), dtype)
+            s = T.alloc_fragment((bm, bn), acc)
+            p = T.alloc_fragment((bm, bn), dtype)
+            o = T.alloc_fragment((bm, d), acc)
+            m_cur = T.alloc_fragment((bm,), acc)
+            m_prev = T.alloc_fragment((bm,), acc)
+            rescale = T.alloc_fragment((bm,), acc)
+            row_sum = T.alloc_fragment((bm,), acc)
+            denom = T.alloc_fragment((bm,), acc)
+
+            T.copy(Q[bz, by, bx * bm : (bx + 1) * bm, :], q_s)
+            T.fill(o, 0)
+            T.fill(denom, 0)
+            T.fill(m_cur, -T.infinity(acc))
+            # Causal blocks past the diagonal are skipped entirely, not just masked.
+            n_blocks = T.min(T.ceildiv(seq_kv, bn), T.ceildiv((bx + 1) * bm, bn)) if causal else T.ceildiv(seq_kv, bn)
+            for kb in T.Pipelined(n_blocks, num_stages=cfg["num_stages"]):
+                T.copy(K[bz, by // groups, kb * bn : (kb + 1) * bn, :], k_s)
+                # The mask is the gemm's initial accumulator: 0 where allowed, -inf elsewhere.
+                for i, j in T.Parallel(bm, bn):
+                    if causal:
+                        s[i, j] = T.if_then_else(
+                            kb * bn + j >= seq_kv,
+                            -T.infinity(acc),
+                            T.if_then_else(bx * bm + i >= kb * bn + j, 0, -T.infinity(acc)),
+                        )
+                    else:
+                        s[i, j] = T.if_then_else(kb * bn + j >= seq_kv, -T.infinity(acc), 0)
+                T.gemm(q_s, k_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.copy(m_cur, m_prev)
+                T.fill(m_cur, -T.infinity(acc))
+                T.reduce_max(s, m_cur, dim=1, clear=False)
+                for i in T.Parallel(bm):
+                    m_cur[i] = T.max(m_cur[i], m_prev[i])
+                for i in T.Parallel(bm):
+                    rescale[i] = T.exp2(m_prev[i] * scale - m_cur[i] * scale)
+                for i, j in T.Parallel(bm, bn):
+                    s[i, j] = T.exp2(s[i, j] * scale - m_cur[i] * scale)
+                T.reduce_sum(s, row_sum, dim=1)
+                for i in T.Parallel(bm):
+                    denom[i] = denom[i] * rescale[i] + row_sum[i]
+                T.copy(s, p)
+                for i, j in T.Parallel(bm, d):
+                    o[i, j] *= rescale[i]
+                T.copy(V[bz, by // groups, kb * bn : (kb + 1) * bn, :], v_s)
+                T.gemm(p, v_s, o, policy=T.GemmWarpPolicy.FullRow)
+            for i, j in T.Parallel(bm, d):
+                o[i, j] /= denom[i]
+            T.copy(o, o_s)
+            T.copy(o_s, O[bz, by, bx * bm : (bx + 1) * bm, :])
+
+    return main
+
+
+def facts(
+    batch: int, heads: int, kv_heads: int, seq_q: int, seq_kv: int, head_dim: int, mask: str, dtype: str
+) -> dict[str, Any]:
+    return {
+        "batch": batch, "heads": heads, "kv_heads": kv_heads, "seq_q": seq_q, "seq_kv": seq_kv,
+        "head_dim": head_dim, "mask": mask, "dtype": dtype,
+    }  # fmt: skip
+
+
+def build(
+    batch: int, heads: int, kv_heads: int, seq_q: int, seq_kv: int, head_dim: int, mask: str, dtype: str, device: str,
+    cfg: dict[str, Any] | None = None,
+) -> Any:  # fmt: skip
+    f = facts(batch, heads, kv_heads, seq_q, seq_kv, head_dim, mask, dtype)
+    if cfg is None:
+        choice = _config.choose(device, "attention", f)
+        if choice is None:
+            raise KeyError(f"no attention config for {device}")
+        cfg = choice.config
+    key = ("attention", *f.values(), device, tuple(sorted(cfg.items())))
+    causal = mask == "causal"
+    return _dispatch.compile_kernel(
+        key,
+        lambda: program(batch, heads, kv_heads, seq_q, seq_kv, head_dim, causal, dtype, cfg),
+        _config.target(device),
+    )
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    attn_mask: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """softmax(q·kᵀ/√d)·v as SDPA computes it; SDPA itself where the TileLang kernel does not apply."""
+    device, reason = _dispatch.tensor_device(q, k, v)
+    dtype = DTYPES.get(q.dtype, str(q.dtype).removeprefix("torch."))
+    f: dict[str, Any] = {}
+    if not reason:
+        if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+            reason = f"unsupported dtype: {q.dtype}"
+        elif attn_mask is not None:
+            reason = "unsupported mask: explicit attn_mask (only none and causal)"
+        elif q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+            reason = "unsupported shape: q, k, v must be 4-d (B, H, S, D), k and v alike"
+        elif q.shape[-1] not in HEAD_DIMS or k.shape[-1] != q.shape[-1]:
+            reason = f"unsupported shape: head_dim {q.shape[-1]} (supported: {HEAD_DIMS})"
+        elif q.shape[1] % k.shape[1] or q.shape[0] != k.shape[0]:
+            reason = "unsupported shape: heads must be a multiple of kv_heads, batch equal"
+        elif not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+            reason = "unsupported shape: non-contiguous input"
+        else:
+            b, h, sq, d = q.shape
+            f = facts(b, h, k.shape[1], sq, k.shape[2], d, "causal" if causal else "none", dtype)
+    if out is not None and not reason and (out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous()):
+        reason = "unsupported shape: `out` is not a contiguous tensor like q"
+
+    def launch(cfg: dict[str, Any], dev: str) -> torch.Tensor:
+        kernel = build(**f, device=dev, cfg=cfg)
+        o = out if out is not None else torch.empty_like(q)
+        kernel(q, k, v, o)
+        return o
+
+    def framework() -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=causal, enable_gqa=q.dim() == 4 and q.shape[1] != k.shape[1]
+        )
+
+    return _dispatch.run_or_fallback("attention", device, reason, f, launch, framework, out)

@@ -1,0 +1,96 @@
+"""GEMM in TileLang: C = A·Bᵀ (``trans_b=True``, nn.Linear's layout) or C = A·B, fp32 accumulation."""
+# No `from __future__ import annotations` here: TileLang evaluates the prim_func annotations itself.
+
+from typing import Any
+
+import torch
+
+from kernels import _config, _dispatch
+
+DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]) -> Any:
+    """The TileLang prim_func for one static shape; `cfg` holds tile sizes, stages and threads."""
+    import tilelang.language as T
+
+    bm, bn, bk = cfg["block_M"], cfg["block_N"], cfg["block_K"]
+    nt = layout == "nt"
+    b_shape = (n, k) if nt else (k, n)
+    b_tile = (bn, bk) if nt else (bk, bn)
+    swizzle = int(cfg.get("swizzle", 0))
+
+    @T.prim_func
+    def main(
+        A: T.Tensor((m, k), dtype),  # type: ignore[valid-type]
+        B: T.Tensor(b_shape, dtype),  # type: ignore[valid-type]
+        C: T.Tensor((m, n), dtype),  # type: ignore[valid-type]
+    ) -> None:
+        with T.Kernel(T.ceildiv(n, bn), T.ceildiv(m, bm), threads=cfg["threads"]) as (bx, by):
+            a_s = T.alloc_shared((bm, bk), dtype)
+            b_s = T.alloc_shared(b_tile, dtype)
+            c_l = T.alloc_fragment((bm, bn), "float32")
+            if swizzle:
+                T.use_swizzle(panel_size=swizzle)  # L2-friendly block order for large grids
+            T.clear(c_l)
+            for ko in T.Pipelined(T.ceildiv(k, bk), num_stages=cfg["num_stages"]):
+                T.copy(A[by * bm, ko * bk], a_s)
+                if nt:
+                    T.copy(B[bx * bn, ko * bk], b_s)
+                else:
+                    T.copy(B[ko * bk, bx * bn], b_s)
+                T.gemm(a_s, b_s, c_l, transpose_B=nt)
+            T.copy(c_l, C[by * bm, bx * bn])
+
+    return main
+
+
+def facts(m: int, n: int, k: int, layout: str, dtype: str) -> dict[str, Any]:
+    return {"m": m, "n": n, "k": k, "layout": layout, "dtype": dtype}
+
+
+def build(m: int, n: int, k: int, layout: str, dtype: str, device: str, cfg: dict[str, Any] | None = None) -> Any:
+    """Compile (or fetch) the kernel for `device`'s pinned target; raises on a compile error."""
+    if cfg is None:
+        choice = _config.choose(device, "gemm", facts(m, n, k, layout, dtype))
+        if choice is None:
+            raise KeyError(f"no gemm config for {device}")
+        cfg = choice.config
+    key = ("gemm", m, n, k, layout, dtype, device, tuple(sorted(cfg.items())))
+    return _dispatch.compile_kernel(key, lambda: program(m, n, k, layout, dtype, cfg), _config.target(device))
+
+
+def reference(a: torch.Tensor, b: torch.Tensor, trans_b: bool = False) -> torch.Tensor:
+    return torch.matmul(a, b.t() if trans_b else b)
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, *, trans_b: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b.T`` if trans_b else ``a @ b``; torch.matmul where the TileLang kernel does not apply."""
+    device, reason = _dispatch.tensor_device(a, b)
+    layout = "nt" if trans_b else "nn"
+    dtype = DTYPES.get(a.dtype, str(a.dtype).removeprefix("torch."))
+    m = n = k = 0
+    if not reason:
+        if a.dtype not in DTYPES or b.dtype != a.dtype:
+            reason = f"unsupported dtype: {a.dtype} x {b.dtype}"
+        elif a.dim() != 2 or b.dim() != 2:
+            reason = f"unsupported shape: {a.dim()}-d x {b.dim()}-d (2-d only)"
+        elif not (a.is_contiguous() and b.is_contiguous()):
+            reason = "unsupported shape: non-contiguous input"
+        else:
+            m, k = a.shape
+            n, kb = b.shape if trans_b else (b.shape[1], b.shape[0])
+            if kb != k:
+                raise ValueError(f"gemm: inner dimensions differ: {tuple(a.shape)} and {tuple(b.shape)}")
+    if out is not None and not reason and (out.shape != (m, n) or out.dtype != a.dtype or not out.is_contiguous()):
+        reason = "unsupported shape: `out` is not a contiguous (m, n) tensor of the input dtype"
+
+    def launch(cfg: dict[str, Any], dev: str) -> torch.Tensor:
+        kernel = build(m, n, k, layout, dtype, dev, cfg)
+        c = out if out is not None else torch.empty((m, n), dtype=a.dtype, device=a.device)
+        kernel(a, b, c)
+        return c
+
+    return _dispatch.run_or_fallback(
+        "gemm", device, reason, facts(m, n, k, layout, dtype), launch, lambda: reference(a, b, trans_b), out
+    )

@@ -1,0 +1,55 @@
+"""Compile-only: every kernel case lowers and builds for sm_90a and sm_80 with nvcc, no GPU needed.
+
+This is a real TileLang build each run (a private, empty cache); a missing nvcc fails, not skips.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tilepilot import build, cases, matrix
+
+CASES = cases.expand(matrix.load())
+DEVICES = ["sm90", "sm80"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    if shutil.which("nvcc") is None:
+        pytest.fail("nvcc is not on PATH: compile-only checks need CUDA's nvcc (CUDA 13.0)")
+    path = tmp_path_factory.mktemp("tilelang-cache")
+    old = os.environ.get("TILELANG_CACHE_DIR")
+    os.environ["TILELANG_CACHE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("TILELANG_CACHE_DIR", None)
+    else:
+        os.environ["TILELANG_CACHE_DIR"] = old
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_compiles(case: cases.Case, device: str) -> None:
+    from kernels import _config
+
+    ch = build.choice(case, device)
+    assert ch is not None
+    if ch.backend == "framework":
+        pytest.skip(f"{device} config keeps the framework op: {ch.reason}")
+    kernel = build.compile_case(case, device)
+    arch = _config.target(device)["arch"]
+    report = build.inspect_source(kernel.get_kernel_source(), arch)
+    assert report["ok"], f"{case.id} on {arch}: missing {report['missing']}, unexpected {report['unexpected']}"
+
+
+def test_pinned_targets_match_matrix() -> None:
+    from kernels import _config
+
+    mx = matrix.load()
+    for dev in _config.devices():
+        assert _config.target(dev) == mx.device(dev).tilelang_target.model_dump(), dev

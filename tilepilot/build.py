@@ -1,0 +1,142 @@
+"""Step 3: kernel build. Cold compile per case from a private empty cache, warm start from it in a
+fresh process, and checks on what came out (wgmma on sm90, none on sm80) -- no GPU needed.
+
+Cold compiles fan out over spawned worker processes; their caches are merged into the run's
+cache so that the correctness and measurement steps start warm.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from tilepilot.cases import Case
+
+# What the generated device source must (and must not) contain per target arch.
+EXPECT = {
+    "sm_90a": {"must": ["wgmma"], "must_not": []},
+    "sm_80": {"must": ["mma"], "must_not": ["wgmma"]},
+}
+
+
+def build_args(case: Case) -> dict[str, Any]:
+    d = case.dims
+    if case.op == "gemm":
+        return {"m": d["m"], "n": d["n"], "k": d["k"], "layout": case.variant, "dtype": case.dtype}
+    return {**{k: d[k] for k in ("batch", "heads", "kv_heads", "seq_q", "seq_kv", "head_dim")},
+            "mask": case.variant, "dtype": case.dtype}  # fmt: skip
+
+
+def choice(case: Case, device: str) -> Any:
+    from kernels import _config, operator_module
+
+    return _config.choose(device, case.op, operator_module(case.op).facts(**build_args(case)))
+
+
+def compile_case(case: Case, device: str) -> Any:
+    """Compile in this process, under whatever TILELANG_CACHE_DIR is set; raises on failure."""
+    from kernels import operator_module
+
+    return operator_module(case.op).build(**build_args(case), device=device)
+
+
+def inspect_source(src: str, arch: str) -> dict[str, Any]:
+    rules = EXPECT.get(arch, {"must": [], "must_not": []})
+    missing = [w for w in rules["must"] if w not in src]
+    present = [w for w in rules["must_not"] if w in src]
+    return {
+        "ok": not missing and not present,
+        "missing": missing,
+        "unexpected": present,
+        "source_sha256": hashlib.sha256(src.encode()).hexdigest(),
+        "source_bytes": len(src),
+    }
+
+
+def _cold(case: Case, device: str, cache_dir: str, diag_dir: str | None) -> dict[str, Any]:
+    # Runs in a worker: the cache is private and empty, so this is a real codegen + nvcc build.
+    os.environ["TILELANG_CACHE_DIR"] = cache_dir
+    from kernels import _config
+
+    arch = _config.target(device)["arch"]
+    out: dict[str, Any] = {"case": case.id, "device": device, "arch": arch}
+    ch = choice(case, device)
+    if ch is None or ch.backend == "framework":
+        out.update(status="framework", reason=ch.reason if ch else f"no {case.op} config for {device}")
+        return out
+    out["config"] = ch.config
+    t0 = time.perf_counter()
+    try:
+        kernel = compile_case(case, device)
+    except Exception as exc:
+        out.update(status="compile-failed", cold_s=time.perf_counter() - t0, error=str(exc).strip().splitlines()[-1:])
+        if diag_dir:  # keep the compiler diagnostics beside the record
+            p = Path(diag_dir) / (case.id.replace("/", "__") + ".log")
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(traceback.format_exc(), encoding="utf-8")
+            out["diagnostics"] = str(p)
+        return out
+    out["cold_s"] = time.perf_counter() - t0
+    src = kernel.get_kernel_source()
+    out["inspect"] = inspect_source(src, arch)
+    out["status"] = "ok" if out["inspect"]["ok"] else "check-failed"
+    return out
+
+
+def _warm(case: Case, device: str, cache_dir: str) -> float:
+    # A fresh process (a new pool) whose only source of the kernel is the cache the cold step filled.
+    os.environ["TILELANG_CACHE_DIR"] = cache_dir
+    t0 = time.perf_counter()
+    compile_case(case, device)
+    return time.perf_counter() - t0
+
+
+def _init_worker() -> None:
+    # Imports are not part of "getting a kernel": pay them before any timed region.
+    import tilelang  # noqa: F401
+
+    import kernels  # noqa: F401
+
+
+def _merge(src: Path, dst: Path) -> None:
+    for entry in src.rglob("*"):
+        if ".staging" in entry.parts or not entry.is_file():
+            continue
+        target = dst / entry.relative_to(src)
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(entry, target)
+
+
+def build_all(
+    cases: list[Case], device: str, work: Path, run_cache: Path | None, workers: int, warm: bool = True
+) -> list[dict[str, Any]]:
+    """Cold-compile every case (in parallel), then time warm starts; merge caches into run_cache."""
+    work.mkdir(parents=True, exist_ok=True)
+    dirs = [work / f"cold-{i:03d}" for i in range(len(cases))]
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+    ctx = get_context("spawn")  # fork after torch/CUDA init is unsafe; spawn gives clean processes
+    diag = str(work / "diagnostics")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker) as pool:
+        results = list(pool.map(_cold, cases, [device] * len(cases), [str(d) for d in dirs], [diag] * len(cases)))
+    if warm:
+        todo = [i for i, r in enumerate(results) if r["status"] in ("ok", "check-failed")]
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker) as pool:
+            times = pool.map(_warm, [cases[i] for i in todo], [device] * len(todo), [str(dirs[i]) for i in todo])
+            for i, t in zip(todo, times, strict=True):
+                results[i]["warm_s"] = t
+    if run_cache is not None:
+        for d in dirs:
+            if d.exists():
+                _merge(d, run_cache)
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+    return results

@@ -1,0 +1,66 @@
+"""Step 2: expand the matrix into cases, one per operator x shape x dtype x (layout | mask).
+
+A case id is stable across runs and is the key everything downstream is filed under:
+``gemm/llama8b-qkv-t4096/float16/nt``, ``attention/llama8b-s4096/bfloat16/causal``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+from tilepilot.matrix import AttentionShape, GemmShape, Matrix, Tolerance
+
+
+@dataclass(frozen=True)
+class Case:
+    op: str  # "gemm" | "attention"
+    shape_id: str
+    group: str  # "representative" | "edge"
+    dtype: str
+    variant: str  # gemm: layout "nt"/"nn"; attention: mask "none"/"causal"
+    dims: dict[str, int] = field(hash=False, compare=False)
+    tolerance: Tolerance = field(hash=False, compare=False)
+
+    @property
+    def id(self) -> str:
+        return f"{self.op}/{self.shape_id}/{self.dtype}/{self.variant}"
+
+    @property
+    def flops(self) -> float:
+        d = self.dims
+        if self.op == "gemm":
+            return 2.0 * d["m"] * d["n"] * d["k"]
+        # Two matmuls of 2*Sq*Skv*D each; causal skips the masked part (top-left alignment, as SDPA).
+        pairs = float(d["seq_q"] * d["seq_kv"])
+        if self.variant == "causal":
+            pairs = float(sum(min(i + 1, d["seq_kv"]) for i in range(d["seq_q"])))
+        return 4.0 * d["batch"] * d["heads"] * pairs * d["head_dim"]
+
+
+def _gemm_dims(s: GemmShape) -> dict[str, int]:
+    return {"m": s.m, "n": s.n, "k": s.k}
+
+
+def _attn_dims(s: AttentionShape) -> dict[str, int]:
+    return {k: getattr(s, k) for k in ("batch", "heads", "kv_heads", "seq_q", "seq_kv", "head_dim")}
+
+
+def expand(matrix: Matrix, pattern: str | None = None) -> list[Case]:
+    """All cases of the matrix, in a fixed order; `pattern` is an fnmatch glob over case ids."""
+    out: list[Case] = []
+    g = matrix.operators.gemm
+    for group, gshapes in (("representative", g.shapes.representative), ("edge", g.shapes.edge)):
+        for gs in gshapes:
+            for dtype in g.dtypes:
+                for layout in g.layouts:
+                    out.append(Case("gemm", gs.id, group, dtype, layout, _gemm_dims(gs), g.tolerance[dtype]))
+    a = matrix.operators.attention
+    for group, ashapes in (("representative", a.shapes.representative), ("edge", a.shapes.edge)):
+        for s in ashapes:
+            for dtype in a.dtypes:
+                for mask in a.masks:
+                    out.append(Case("attention", s.id, group, dtype, mask, _attn_dims(s), a.tolerance[dtype]))
+    if pattern:
+        out = [c for c in out if any(fnmatch.fnmatch(c.id, p) for p in pattern.split(","))]
+    return out

@@ -1,0 +1,59 @@
+"""Steps 7-8: asv. Run the benchmarks into results/asv (asv's own layout) and publish html/.
+
+asv is driven through its own command line: `asv machine`, `asv run --environment existing`,
+`asv publish`. The environment capture goes into the machine's machine.json as extra keys.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tilepilot import record
+from tilepilot.errors import UserError
+
+ROOT = record.ROOT
+CONF = ROOT / "asv.conf.json"
+ASV_RESULTS = record.RESULTS / "asv"
+HTML = ROOT / "html"
+
+
+def asv(*args: str, env: dict[str, str] | None = None) -> int:
+    cmd = [sys.executable, "-m", "asv", *args, "--config", str(CONF)]
+    return subprocess.call(cmd, cwd=ROOT, env=env)
+
+
+def run(machine: str, commit: str, capture: dict[str, Any], env: dict[str, str]) -> int:
+    import os
+
+    gpu = capture["gpu"]
+    rc = asv("machine", "--yes", "--machine", machine, "--os", platform.platform(), "--arch", platform.machine(),
+             "--cpu", f"{gpu.get('name', '')} / {platform.processor() or platform.machine()}",
+             "--num_cpu", str(os.cpu_count()), "--ram", str(gpu.get("memory_mib", "")), env=env)  # fmt: skip
+    if rc != 0:
+        return rc
+    rc = asv("run", "--environment", f"existing:{sys.executable}", "--set-commit-hash", commit, "--machine", machine,
+             "--record-samples", "--show-stderr", "--launch-method", "spawn", env=env)  # fmt: skip
+    mfile = ASV_RESULTS / machine / "machine.json"
+    if mfile.exists():  # the environment capture, as extra keys asv carries along
+        data = json.loads(mfile.read_text())
+        data["tilepilot"] = {k: capture[k] for k in ("python", "torch", "tilelang", "toolkit", "gpu")}
+        record.write_json(mfile, data)
+    return rc
+
+
+def publish(html: Path = HTML) -> int:
+    if not ASV_RESULTS.is_dir() or not any(ASV_RESULTS.glob("*/machine.json")):
+        raise UserError(f"{ASV_RESULTS}: no asv results yet; run `nox -s pilot-sm90` on a GPU host first")
+    rc = asv("publish", "--html-dir", str(html))
+    if rc == 0:
+        print(f"tilepilot: published {len(list(ASV_RESULTS.glob('*/machine.json')))} machine(s) to {html}/index.html")
+    return rc
+
+
+def machines(device: str) -> list[str]:
+    return sorted(p.parent.name for p in ASV_RESULTS.glob(f"{device}-*/machine.json"))

@@ -1,0 +1,69 @@
+"""Step 6: where run records live, and how they are written (atomically) and read (strictly).
+
+    results/records/<machine>/<commit>/<run-id>/{build,correctness,measure}.json
+
+A run id is the UTC start time; a run never overwrites another, and a half-written file never
+replaces a whole one (write to a temp file in the same folder, fsync, rename).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tilepilot.errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+# TILEPILOT_RESULTS points the whole history elsewhere (tests use a copy; merges use a staging tree).
+RESULTS = Path(os.environ.get("TILEPILOT_RESULTS", ROOT / "results"))
+RECORDS = RESULTS / "records"
+SCHEMA = 1
+
+
+def run_id() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def run_dir(machine: str, commit: str, rid: str, root: Path = RECORDS) -> Path:
+    return root / machine / commit / rid
+
+
+def write_json(path: Path, obj: Any) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1, sort_keys=True, default=str)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_json(path: Path, kind: str) -> dict[str, Any]:
+    """Read a record; corrupt, partial or foreign files are a UserError naming the file."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing {kind} record") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: corrupt {kind} record ({exc}); delete the run folder or re-run the pilot") from None
+    if not isinstance(data, dict) or data.get("kind") != kind or data.get("schema") != SCHEMA:
+        raise UserError(f"{path}: not a tilepilot {kind} record of schema {SCHEMA}")
+    if not data.get("complete"):
+        raise UserError(f"{path}: partial {kind} record (the run did not finish); re-run the pilot")
+    return data
+
+
+def runs_for(machine: str, commit: str, root: Path = RECORDS) -> list[Path]:
+    """Run folders for this machine and commit, newest first."""
+    base = root / machine / commit
+    return sorted((p for p in base.iterdir() if p.is_dir()), reverse=True) if base.is_dir() else []
