@@ -31,6 +31,9 @@ def run(machine: str, commit: str, capture: dict[str, Any], env: dict[str, str])
     import os
 
     gpu = capture["gpu"]
+    # asv drops PYTHONPATH from benchmark processes unless it comes as ASV_PYTHONPATH.
+    if env.get("PYTHONPATH"):
+        env = {**env, "ASV_PYTHONPATH": env["PYTHONPATH"]}
     rc = asv("machine", "--yes", "--machine", machine, "--os", platform.platform(), "--arch", platform.machine(),
              "--cpu", f"{gpu.get('name', '')} / {platform.processor() or platform.machine()}",
              "--num_cpu", str(os.cpu_count()), "--ram", str(gpu.get("memory_mib", "")), env=env)  # fmt: skip
