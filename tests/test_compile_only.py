@@ -37,10 +37,7 @@ def private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def test_compiles(case: cases.Case, device: str) -> None:
     from kernels import _config
 
-    ch = build.choice(case, device)
-    assert ch is not None
-    if ch.backend == "framework":
-        pytest.skip(f"{device} config keeps the framework op: {ch.reason}")
+    assert build.choice(case, device) is not None, f"{device} has no pinned {case.op} config"
     kernel = build.compile_case(case, device)
     arch = _config.target(device)["arch"]
     report = build.inspect_source(kernel.get_kernel_source(), arch)

@@ -27,7 +27,9 @@ def on_device(request: pytest.FixtureRequest, gpu_device: str | None) -> str:
 def test_correctness(case: cases.Case, on_device: str, request: pytest.FixtureRequest) -> None:
     from tilepilot import correctness
 
-    res = correctness.check_case(case, trials=request.config.getoption("--tilepilot-trials"))
+    res = correctness.check_case(case, on_device, trials=request.config.getoption("--tilepilot-trials"))
     request.node.user_properties.append(("tilepilot", res))  # the conftest hook files it in the record
     worst = max(res["trials"], key=lambda t: t.get("rel_fro", float("inf")))
     assert res["status"] != "failed", f"{case.id} via {res['backend']}: {worst}"
+    # A kernel that the config keeps behind the framework op must still compute the right thing.
+    assert res["kernel_status"] != "failed", f"{case.id}: TileLang kernel wrong: {worst.get('kernel')}"

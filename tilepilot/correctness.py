@@ -86,13 +86,34 @@ def compare(out: torch.Tensor, ref: torch.Tensor, case: Case) -> dict[str, Any]:
     }
 
 
-def check_case(case: Case, trials: int = 3) -> dict[str, Any]:
-    """Run `trials` checks; the record says which backend served each and the worst error."""
+def _kernel_check(case: Case, device: str, inputs: tuple[torch.Tensor, ...], ref: torch.Tensor) -> dict[str, Any]:
+    """The TileLang kernel itself, whatever the config ships: a kernel kept behind the framework op
+    is still checked, so that the day the config flips it is already known to be right."""
+    from tilepilot import build
+
+    ch = build.choice(case, device)
+    if ch is None:
+        return {"ok": None, "why": f"no {case.op} config for {device}"}
+    from kernels import operator_module
+
+    try:
+        kernel = operator_module(case.op).build(**build.build_args(case), device=device, cfg=ch.config)
+    except Exception as exc:
+        return {"ok": False, "error": f"compile failed: {exc}".splitlines()[0]}
+    out = output_like(case, inputs).fill_(float("nan"))
+    kernel(*inputs, out)
+    torch.cuda.synchronize()
+    return compare(out, ref, case)
+
+
+def check_case(case: Case, device: str, trials: int = 3) -> dict[str, Any]:
+    """Run `trials` checks of the shipped path (the public API) and of the TileLang kernel itself."""
     t0 = time.perf_counter()
     results: list[dict[str, Any]] = []
     backends: set[str] = set()
     for trial in range(trials):
         inputs = make_inputs(case, trial)
+        ref = reference(case, inputs)
         out = output_like(case, inputs).fill_(float("nan"))  # poison: every element must be written
         kernels.clear_fallback_reasons()
         got = run_public(case, inputs, out)
@@ -102,11 +123,12 @@ def check_case(case: Case, trials: int = 3) -> dict[str, Any]:
         if got.data_ptr() != out.data_ptr():
             results.append({"trial": trial, "ok": False, "error": "result was not written into `out`"})
             continue
-        res = compare(out, reference(case, inputs), case)
-        res.update(trial=trial, seed=seed_for(case, trial))
+        res = compare(out, ref, case)
+        res.update(trial=trial, seed=seed_for(case, trial), kernel=_kernel_check(case, device, inputs, ref))
         results.append(res)
-        del inputs, out, got
+        del inputs, out, got, ref
     ok = all(r["ok"] for r in results)
+    kernel_ok = [r.get("kernel", {}).get("ok") for r in results]
     backend = sorted(backends)[0] if len(backends) == 1 else "mixed: " + " | ".join(sorted(backends))
     status = "failed" if not ok else ("passed" if backend == "tilelang" else "fallback")
     return {
@@ -115,6 +137,17 @@ def check_case(case: Case, trials: int = 3) -> dict[str, Any]:
         "status": status,
         "backend": backend,
         "rel_fro_max": max((r.get("rel_fro", float("inf")) for r in results), default=None),
+        "kernel_status": "passed"
+        if all(k is True for k in kernel_ok)
+        else ("failed" if any(k is False for k in kernel_ok) else "not-built"),
+        "kernel_rel_fro_max": max(
+            (
+                r["kernel"].get("rel_fro", float("inf"))
+                for r in results
+                if "kernel" in r and r["kernel"].get("ok") is not None
+            ),
+            default=None,
+        ),
         "tolerance": case.tolerance.model_dump(),
         "trials": results,
         "seconds": time.perf_counter() - t0,

@@ -40,7 +40,7 @@ def run(machine: str, commit: str, capture: dict[str, Any], env: dict[str, str])
     if rc != 0:
         return rc
     rc = asv("run", "--environment", f"existing:{sys.executable}", "--set-commit-hash", commit, "--machine", machine,
-             "--record-samples", "--show-stderr", "--launch-method", "spawn", env=env)  # fmt: skip
+             "--record-samples", "--show-stderr", "--launch-method", "forkserver", env=env)  # fmt: skip
     mfile = ASV_RESULTS / machine / "machine.json"
     if mfile.exists():  # the environment capture, as extra keys asv carries along
         data = json.loads(mfile.read_text())

@@ -67,7 +67,7 @@ def step_build(run: Run, sel: list[cases.Case]) -> list[dict[str, Any]]:
     shutil.rmtree(run.dir / "build-work" / "cold", ignore_errors=True)
     record.write_json(run.dir / "build.json", {**run.header("build"), "cases": results, "complete": True,
                                                "seconds": run.timings["build_s"]})  # fmt: skip
-    bad = [r for r in results if r["status"] not in ("ok", "framework")]
+    bad = [r for r in results if r["status"] not in ("ok", "no-config")]
     say(f"build: {len(results) - len(bad)}/{len(results)} cases built for {run.device} "
         f"in {run.timings['build_s']:.0f}s" + (f"; {len(bad)} failed" if bad else ""))  # fmt: skip
     return results
