@@ -33,6 +33,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("publish", help="asv publish into html/")
     g = sub.add_parser("gate", help="the release gate for a commit")
     g.add_argument("--commit", default="HEAD")
+    g.add_argument("--out", type=Path, default=None, help="where gate.json and gate.md go (default: gate/)")
     return p
 
 
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "gate":
             from tilepilot import gate
 
-            return gate.gate(args.commit, args.matrix)
+            return gate.gate(args.commit, args.matrix, args.out or gate.OUT)
     except UserError as exc:
         print(f"tilepilot: error: {exc}", file=sys.stderr)
         return exc.exit_code

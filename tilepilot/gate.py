@@ -165,14 +165,23 @@ def check_device(mx: matrix.Matrix, device: str, commit: str) -> dict[str, Any]:
     return verdict
 
 
+def _fallback(d: dict[str, Any]) -> str:
+    ops = d["operators"].values()
+    if not all("fallback_exercised" in v for v in ops):
+        return "no"
+    n = sum(v["correctness"]["fallback"] for v in ops)
+    return f"yes ({n} cases)" if n else "no"
+
+
 def gate(rev: str = "HEAD", matrix_path: Path | None = None, out_dir: Path = OUT) -> int:
     mx = matrix.load(matrix_path or matrix.DEFAULT_PATH)
     commit = code_commit(rev)
     devices = [check_device(mx, d, commit) for d in mx.gate.required]
     ok = all(d["status"] == PASS for d in devices)
     ops = list(mx.pilot.operators)
-    table = [[d["device"], d.get("machine", "-")] + [d["operators"][op]["status"] for op in ops] for d in devices]
-    text = tabulate(table, headers=["device", "machine", *ops], tablefmt="github")
+    table = [[d["device"], d.get("machine", "-"), *(d["operators"][op]["status"] for op in ops), _fallback(d)]
+             for d in devices]  # fmt: skip
+    text = tabulate(table, headers=["device", "machine", *ops, "fallback tested"], tablefmt="github")
     lines = [f"# Release gate: {'PASS' if ok else 'FAIL'}", "", f"code commit `{commit}`", "", text, ""]
     for d in devices:
         for op in ops:
