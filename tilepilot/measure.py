@@ -26,7 +26,7 @@ _THROTTLE_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
 @dataclass(frozen=True)
 class Policy:
     min_samples: int = 10
-    max_samples: int = 1000
+    max_samples: int = 300
     noise: float = 0.01  # stop once the robust relative spread (IQR/1.349/median) is <= 1%
     budget_s: float = 0.5  # per function, wall time spent sampling
     batch: int = 10  # first batch; batches then double, so clock reads stay few
