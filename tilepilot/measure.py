@@ -28,7 +28,7 @@ class Policy:
     min_samples: int = 10
     max_samples: int = 300
     noise: float = 0.01  # stop once the robust relative spread (IQR/1.349/median) is <= 1%
-    budget_s: float = 0.5  # per function, wall time spent sampling
+    budget_s: float = 0.3  # per function, wall time spent sampling (the pilot must fit one 10-minute call)
     batch: int = 10  # first batch; batches then double, so clock reads stay few
     warmup_s: float = 0.025
 
