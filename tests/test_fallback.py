@@ -63,7 +63,9 @@ def test_config_rules_choose_framework_and_tiles() -> None:
     ch = _config.choose("sm90", "gemm", facts)
     assert ch is not None and ch.backend == "framework" and "torch.matmul" in ch.reason
     big = _config.choose("sm90", "gemm", {**facts, "m": 8192, "n": 8192, "k": 8192})
-    assert big is not None and big.backend == "tilelang" and big.config["block_N"] == 256
+    assert big is not None and big.backend == "framework" and big.config["block_N"] == 256
+    a100 = _config.choose("sm80", "gemm", {**facts, "m": 8192, "n": 8192, "k": 8192})
+    assert a100 is not None and a100.backend == "tilelang" and a100.config["block_K"] == 32
     small = _config.choose("sm90", "gemm", {**facts, "m": 1})
     assert small is not None and small.config["block_M"] == 64
     causal80 = _config.choose("sm80", "attention", {"seq_q": 4096, "mask": "causal", "dtype": "float16"})

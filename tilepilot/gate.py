@@ -77,7 +77,7 @@ def _regressions(machine: str, commit: str, factor: float) -> dict[str, list[str
     if not cur or not prev:
         return out
     new, old = cur[-1], prev[-1]
-    for key in new.get_result_keys(new.get_all_result_keys()):
+    for key in new.get_all_result_keys():
         if not key.endswith(".track_kernel_ms") or key not in old.get_all_result_keys():
             continue
         op = "gemm" if "Gemm" in key else "attention"
