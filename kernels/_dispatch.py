@@ -12,6 +12,12 @@ import torch
 from kernels import _config, _fallback
 
 _lock = threading.Lock()
+
+
+class CompileFailed(RuntimeError):
+    """TileLang could not build the kernel (lowering, codegen or nvcc); memoized per key."""
+
+
 _built: dict[tuple[Any, ...], Any] = {}
 _failed: dict[tuple[Any, ...], str] = {}
 
@@ -45,7 +51,7 @@ def compile_kernel(key: tuple[Any, ...], program: Callable[[], Any], target: dic
         if key in _built:
             return _built[key]
         if key in _failed:
-            raise RuntimeError(_failed[key])
+            raise CompileFailed(_failed[key])
     import tilelang
 
     try:
@@ -54,7 +60,7 @@ def compile_kernel(key: tuple[Any, ...], program: Callable[[], Any], target: dic
         msg = f"{type(exc).__name__}: {exc}".strip().splitlines()
         with _lock:
             _failed[key] = msg[0] if msg else type(exc).__name__
-        raise
+        raise CompileFailed(_failed[key]) from exc
     with _lock:
         _built[key] = kernel
     return kernel
@@ -82,8 +88,10 @@ def run_or_fallback(
             else:
                 try:
                     return launch(choice.config, device)
-                except Exception as exc:
-                    reason = f"compile failed: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
+                except CompileFailed as exc:
+                    reason = f"compile failed: {exc}"
+                except Exception as exc:  # the launch itself: bad arguments, a CUDA error
+                    reason = f"kernel failed: {type(exc).__name__}: {str(exc).strip()[:200]}"
     _fallback.record(op, reason)
     result = framework()
     if out is not None:

@@ -50,3 +50,20 @@ def test_pinned_targets_match_matrix() -> None:
     mx = matrix.load()
     for dev in _config.devices():
         assert _config.target(dev) == mx.device(dev).tilelang_target.model_dump(), dev
+
+
+def test_a_real_compile_failure_is_reported_and_memoized() -> None:
+    """TileLang 0.1.15's sm_80 codegen rejects a causal loop count with num_stages=2 (pinned away in
+    kernels/configs/sm80.toml): the failure surfaces as CompileFailed, once, then from memory."""
+    from kernels import _dispatch, operator_module
+
+    attn = operator_module("attention")
+    cfg = {"block_M": 128, "block_N": 64, "num_stages": 2, "threads": 128}
+    args = {"batch": 1, "heads": 8, "kv_heads": 8, "seq_q": 256, "seq_kv": 256, "head_dim": 64, "mask": "causal"}
+    before = dict(_dispatch._failed)
+    with pytest.raises(_dispatch.CompileFailed, match="Downcast") as first:
+        attn.build(**args, dtype="float16", device="sm80", cfg=cfg)
+    (key,) = set(_dispatch._failed) - set(before)
+    with pytest.raises(_dispatch.CompileFailed) as again:
+        attn.build(**args, dtype="float16", device="sm80", cfg=cfg)
+    assert again.value.__cause__ is None and str(again.value) == str(first.value) == _dispatch._failed[key]

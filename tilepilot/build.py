@@ -126,7 +126,7 @@ def build_all(
     for d in dirs:
         shutil.rmtree(d, ignore_errors=True)
     ctx = get_context("spawn")  # fork after torch/CUDA init is unsafe; spawn gives clean processes
-    diag = str(work / "diagnostics")
+    diag = str(work.parent / "diagnostics")  # kept beside the records; work/ is scratch
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker) as pool:
         results = list(pool.map(_cold, cases, [device] * len(cases), [str(d) for d in dirs], [diag] * len(cases)))
     if warm:

@@ -64,7 +64,7 @@ def step_build(run: Run, sel: list[cases.Case]) -> list[dict[str, Any]]:
     t0 = time.perf_counter()
     results = build.build_all(sel, run.device, run.dir / "build-work", run.cache, run.workers)
     run.timings["build_s"] = time.perf_counter() - t0
-    shutil.rmtree(run.dir / "build-work" / "cold", ignore_errors=True)
+    shutil.rmtree(run.dir / "build-work", ignore_errors=True)
     record.write_json(run.dir / "build.json", {**run.header("build"), "cases": results, "complete": True,
                                                "seconds": run.timings["build_s"]})  # fmt: skip
     bad = [r for r in results if r["status"] not in ("ok", "no-config")]
