@@ -198,7 +198,8 @@ def gate(rev: str = "HEAD", matrix_path: Path | None = None, out_dir: Path = OUT
     print("\n".join(lines[:6]))
     for d in devices:
         for op in ops:
-            for p in d["operators"][op].get("problems", [])[:10]:
+            v = d["operators"][op]
+            for p in v.get("problems", [])[:10] or ([v["why"]] if "why" in v else []):
                 print(f"  {d['device']} {op}: {p}")
     print(f"tilepilot: gate {'PASS' if ok else 'FAIL'}; wrote {out_dir / 'gate.md'} and gate.json")
     return 0 if ok else 1
