@@ -81,12 +81,14 @@ def _regressions(machine: str, commit: str, factor: float) -> dict[str, list[str
         if not key.endswith(".track_kernel_ms") or key not in old.get_all_result_keys():
             continue
         op = "gemm" if "Gemm" in key else "attention"
+        # Both read at the new commit's parameters: asv aligns the old results to them, so a case
+        # added or dropped between commits never compares one case against another.
         params = new.get_result_params(key)
-        nv, ov = new.get_result_value(key, params), old.get_result_value(key, old.get_result_params(key))
-        ns, os_ = new.get_result_stats(key, params), old.get_result_stats(key, old.get_result_params(key))
-        nsm, osm = new.get_result_samples(key, params), old.get_result_samples(key, old.get_result_params(key))
+        nv, ov = new.get_result_value(key, params), old.get_result_value(key, params)
+        ns, os_ = new.get_result_stats(key, params), old.get_result_stats(key, params)
+        nsm, osm = new.get_result_samples(key, params), old.get_result_samples(key, params)
         for i, case in enumerate(params[0] if params else []):
-            if i >= len(ov) or nv[i] is None or ov[i] is None or nv[i] != nv[i] or ov[i] != ov[i]:
+            if nv[i] is None or ov[i] is None or nv[i] != nv[i] or ov[i] != ov[i]:
                 continue
             if _is_result_better(ov[i], nv[i], (os_[i], osm[i]), (ns[i], nsm[i]), factor):
                 out.setdefault(op, []).append(
