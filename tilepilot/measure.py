@@ -2,8 +2,9 @@
 
 The method follows nvbench: CUDA events around one call, L2 flushed before every sample outside
 the timed region, samples taken until the relative noise (a robust stdev over the median) is <= 1%
-or the time budget runs out, SM clock and throttle reasons read around each batch, and ceilings (a large torch matmul,
-a device-to-device copy) measured in the same run so that percentages mean this card, today.
+or the time budget runs out, SM clock and throttle reasons read around each batch, and ceilings
+(a large torch matmul, a device-to-device copy) measured in the same run so that percentages mean
+this card, today.
 """
 
 from __future__ import annotations
