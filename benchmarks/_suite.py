@@ -23,6 +23,11 @@ def case_ids(op: str) -> list[str]:
     return [c.id for c in cases.expand(matrix.load()) if c.op == op]
 
 
+def model_ids() -> list[str]:
+    m = matrix.load().model
+    return [f"model/llama-block-t{t}/{d}" for t in m.tokens for d in m.dtypes]
+
+
 class _OperatorSuite:
     op = ""
     param_names = ["case"]

@@ -7,7 +7,10 @@ mask). Matching rules apply in file order, each overriding config keys; a matchi
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +67,23 @@ def _matches(when: dict[str, Any], facts: dict[str, Any]) -> bool:
     return True
 
 
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("kernels_backend", default=None)
+
+
+@contextlib.contextmanager
+def use_backend(backend: str | None) -> Iterator[None]:
+    """Override the configs' shipping decision inside the block: "tilelang" runs the TileLang kernel
+    wherever one is configured (to measure what shipping it would give), "framework" never does.
+    Every other fallback reason (dtype, shape, device, a failed compile) still applies."""
+    if backend not in (None, "tilelang", "framework"):
+        raise ValueError(f"backend must be 'tilelang', 'framework' or None, not {backend!r}")
+    token = _forced.set(backend)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
 def choose(device: str, op: str, facts: dict[str, Any]) -> Choice | None:
     """The pinned choice for these facts, or None when the device has no config for `op`."""
     cfg = load(device)
@@ -71,9 +91,16 @@ def choose(device: str, op: str, facts: dict[str, Any]) -> Choice | None:
         return None
     section = cfg[op]
     base = dict(section["default"])
+    framework_reason = ""
     for rule in section.get("rules", []):
         if _matches(rule.get("when", {}), facts):
             if rule.get("backend") == "framework":
-                return Choice("framework", base, rule.get("reason", "config prefers the framework op"))
+                framework_reason = rule.get("reason", "config prefers the framework op")
+                break
             base.update({k: v for k, v in rule.items() if k not in ("when", "note")})
+    forced = _forced.get()
+    if forced == "framework":
+        return Choice("framework", base, "kernels.use_backend('framework')")
+    if framework_reason and forced != "tilelang":
+        return Choice("framework", base, framework_reason)
     return Choice("tilelang", base)

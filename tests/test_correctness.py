@@ -17,6 +17,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture
+def injected(case: cases.Case) -> None:
+    """Fault injection for the supervisor's own tests (TILEPILOT_INJECT=hang:<glob>|crash:<glob>):
+    it fires before the device check, so a machine without the GPU proves the supervision too."""
+    from tilepilot import inject
+
+    inject.harness_fault(case.id)
+
+
+@pytest.fixture
 def on_device(request: pytest.FixtureRequest, gpu_device: str | None) -> str:
     want = request.config.getoption("--tilepilot-device")
     if gpu_device != want:
@@ -24,7 +33,7 @@ def on_device(request: pytest.FixtureRequest, gpu_device: str | None) -> str:
     return want
 
 
-def test_correctness(case: cases.Case, on_device: str, request: pytest.FixtureRequest) -> None:
+def test_correctness(case: cases.Case, injected: None, on_device: str, request: pytest.FixtureRequest) -> None:
     from tilepilot import correctness
 
     res = correctness.check_case(case, on_device, trials=request.config.getoption("--tilepilot-trials"))

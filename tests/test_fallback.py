@@ -1,44 +1,97 @@
-"""The fallback is part of the kernel: where the TileLang kernel does not apply, the public call
-returns the framework op's result bit for bit and records why (once per reason, queryable)."""
+"""The fallback is part of the kernel. Each reason is forced in turn; the call must return the
+framework op's result bit for bit and record why (once per reason, counted, queryable).
+
+Reasons that sit in front of the device check (dtype, shape, mask, CPU tensors) go through the public
+API on every machine. The ones behind it (TileLang missing, a compile error, the config choosing the
+framework) need a device: they run through the public API on a GPU with a pinned config and, on
+every machine, through the dispatch layer with the device named, which is the same code path from
+the device check on.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import kernels
-from kernels import _config
+from kernels import _config, _dispatch, operator_module
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU = torch.cuda.is_available() and _config.device_for_capability(*torch.cuda.get_device_capability()) is not None
+WHERE = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not GPU, reason="no GPU with a pinned config"))]
 
 
 @pytest.fixture(autouse=True)
-def clean() -> None:
+def clean() -> Iterator[None]:
+    kernels.clear_fallback_reasons()
+    yield
     kernels.clear_fallback_reasons()
 
 
-def rand(*shape: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(sum(shape)), dtype=torch.float32).to(dtype)
+def rand(*shape: int, dtype: torch.dtype = torch.float16, device: str = "cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(sum(shape))
+    return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype).to(device)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def only_reason(op: str) -> str:
+    (reason,) = kernels.fallback_reasons(op)
+    return reason
+
+
+# -- in front of the device check: the public API, on every machine -----------------------------
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_unsupported_dtype(where: str) -> None:
+    a, b = rand(64, 96, dtype=torch.float32, device=where), rand(32, 96, dtype=torch.float32, device=where)
+    assert torch.equal(kernels.gemm(a, b, trans_b=True), torch.matmul(a, b.t()))
+    assert only_reason("gemm") == "unsupported dtype: torch.float32 x torch.float32"
+    q = rand(1, 2, 16, 64, dtype=torch.float32, device=where)
+    assert torch.equal(kernels.attention(q, q, q), F.scaled_dot_product_attention(q, q, q))
+    assert only_reason("attention") == "unsupported dtype: torch.float32"
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_unsupported_shape(where: str) -> None:
+    a, b = rand(2, 64, 96, device=where), rand(96, 32, device=where)
+    assert torch.equal(kernels.gemm(a, b), torch.matmul(a, b))
+    assert only_reason("gemm") == "unsupported shape: 3-d x 2-d (2-d only)"
+    q = rand(1, 2, 16, 80, device=where)  # head_dim 80: neither 64 nor 128
+    assert torch.equal(kernels.attention(q, q, q, causal=True), F.scaled_dot_product_attention(q, q, q, is_causal=True))
+    assert only_reason("attention") == "unsupported shape: head_dim 80 (supported: (64, 128))"
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_unsupported_mask(where: str) -> None:
+    q = rand(1, 2, 8, 64, device=where)
+    mask = torch.ones(8, 8, dtype=torch.bool, device=where).tril()
+    out = torch.full_like(q, float("nan"))
+    got = kernels.attention(q, q, q, attn_mask=mask, out=out)
+    assert got is out and torch.equal(out, F.scaled_dot_product_attention(q, q, q, attn_mask=mask))
+    assert only_reason("attention") == "unsupported mask: explicit attn_mask (only none and causal)"
+
+
 @pytest.mark.parametrize("trans_b", [True, False])
-def test_gemm_cpu_tensors_fall_back_bit_exact(dtype: torch.dtype, trans_b: bool) -> None:
-    a, b = rand(33, 65, dtype=dtype), rand(17, 65, dtype=dtype) if trans_b else rand(65, 17, dtype=dtype)
-    got = kernels.gemm(a, b, trans_b=trans_b)
-    want = torch.matmul(a, b.t() if trans_b else b)
-    assert torch.equal(got, want)
+def test_cpu_tensors(trans_b: bool) -> None:
+    a = rand(33, 65, dtype=torch.bfloat16)
+    b = rand(17, 65, dtype=torch.bfloat16) if trans_b else rand(65, 17, dtype=torch.bfloat16)
+    assert torch.equal(kernels.gemm(a, b, trans_b=trans_b), torch.matmul(a, b.t() if trans_b else b))
     assert kernels.fallback_reasons("gemm") == {"unsupported device: cpu tensors": 1}
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_attention_cpu_and_gqa_fall_back_bit_exact(causal: bool) -> None:
     q, k, v = rand(1, 4, 9, 64), rand(1, 2, 11, 64), rand(1, 2, 11, 64)
     out = torch.full_like(q, float("nan"))
-    got = kernels.attention(q, k, v, causal=causal, out=out)
-    assert got is out
-    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True))
+    assert kernels.attention(q, k, v, causal=True, out=out) is out
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
     assert list(kernels.fallback_reasons("attention")) == ["unsupported device: cpu tensors"]
 
 
@@ -51,22 +104,122 @@ def test_reason_logged_once_and_counted(caplog: pytest.LogCaptureFixture) -> Non
     assert sum("cpu tensors" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_explicit_mask_is_framework() -> None:
-    q = rand(1, 2, 8, 64)
-    mask = torch.ones(8, 8, dtype=torch.bool).tril()
-    got = kernels.attention(q, q, q, attn_mask=mask)
-    assert torch.equal(got, F.scaled_dot_product_attention(q, q, q, attn_mask=mask))
+# -- behind the device check ---------------------------------------------------------------------
+
+# Llama-3-8B's o-projection, which sm90's config keeps on torch.matmul.
+GEMM = {"m": 256, "n": 128, "k": 192, "layout": "nt", "dtype": "float16"}
+
+
+def _gemm_inputs(where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return rand(GEMM["m"], GEMM["k"], device=where), rand(GEMM["n"], GEMM["k"], device=where)
+
+
+def _dispatch_gemm(a: torch.Tensor, b: torch.Tensor, device: str) -> torch.Tensor:
+    """kernels.gemm from the device check on, with the device named instead of read off the tensors."""
+    mod = operator_module("gemm")
+
+    def launch(cfg: dict[str, Any], dev: str) -> torch.Tensor:
+        kernel = mod.build(**{k: GEMM[k] for k in ("m", "n", "k", "layout", "dtype")}, device=dev, cfg=cfg)
+        c = torch.empty(GEMM["m"], GEMM["n"], dtype=a.dtype, device=a.device)
+        kernel(a, b, c)
+        return c
+
+    return _dispatch.run_or_fallback(
+        "gemm", device, "", mod.facts(**GEMM), launch, lambda: torch.matmul(a, b.t()), None
+    )
+
+
+def _call(where: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return kernels.gemm(a, b, trans_b=True) if where == "cuda" else _dispatch_gemm(a, b, "sm90")
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_config_chooses_framework(where: str) -> None:
+    a, b = _gemm_inputs(where)
+    assert torch.equal(_call(where, a, b), torch.matmul(a, b.t()))
+    reason = only_reason("gemm")
+    assert reason.startswith("config: ") and "torch.matmul measured faster" in reason
+
+
+@pytest.fixture
+def broken_gemm_program(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """An injected compile error: a gemm program whose tiles disagree on K, which TileLang rejects."""
+    mod = operator_module("gemm")
+
+    from broken_kernels import gemm_program
+
+    monkeypatch.setattr(mod, "program", gemm_program)
+    memo = dict(_dispatch._built), dict(_dispatch._failed)
+    _dispatch._built.clear()
+    _dispatch._failed.clear()
+    yield
+    _dispatch._built.clear()
+    _dispatch._failed.clear()
+    _dispatch._built.update(memo[0])
+    _dispatch._failed.update(memo[1])
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_injected_compile_error(where: str, broken_gemm_program: None) -> None:
+    a, b = _gemm_inputs(where)
+    with kernels.use_backend("tilelang"):  # past the config's framework rule, into the compile
+        got = _call(where, a, b)
+        again = _call(where, a, b)  # memoized: the failure is not paid twice
+    assert torch.equal(got, torch.matmul(a, b.t())) and torch.equal(again, got)
+    assert kernels.fallback_reasons("gemm") == {
+        "compile failed: AssertionError: T.gemm K shape check failed: K_A = 32, K_B = 48": 2
+    }
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_tilelang_fails_to_import(where: str, tmp_path: Path) -> None:
+    """A fresh interpreter where `import tilelang` raises, as a broken install or missing wheel does."""
+    shadow = tmp_path / "shadow" / "tilelang"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('injected: libtvm.so: cannot open shared object file')\n")
+    script = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(tmp_path / "shadow")!r})
+        import torch, kernels
+        sys.path.insert(0, {str(ROOT / "tests")!r})
+        from test_fallback import _call, _gemm_inputs
+        a, b = _gemm_inputs({where!r})
+        with kernels.use_backend("tilelang"):
+            got = _call({where!r}, a, b)
+        print(json.dumps({{"equal": bool(torch.equal(got, torch.matmul(a, b.t()))),
+                          "reasons": kernels.fallback_reasons("gemm")}}))
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res == {
+        "equal": True,
+        "reasons": {"tilelang missing: ImportError: injected: libtvm.so: cannot open shared object file": 1},
+    }
+
+
+def test_use_backend_rejects_unknown_names() -> None:
+    with pytest.raises(ValueError, match="backend must be"), kernels.use_backend("triton"):
+        pass
 
 
 def test_config_rules_choose_framework_and_tiles() -> None:
     facts = {"m": 4096, "n": 4096, "k": 4096, "layout": "nt", "dtype": "float16"}
     ch = _config.choose("sm90", "gemm", facts)
     assert ch is not None and ch.backend == "framework" and "torch.matmul" in ch.reason
-    big = _config.choose("sm90", "gemm", {**facts, "m": 8192, "n": 8192, "k": 8192})
-    assert big is not None and big.backend == "framework" and big.config["block_N"] == 256
+    with kernels.use_backend("tilelang"):
+        forced = _config.choose("sm90", "gemm", facts)
+    assert forced is not None and forced.backend == "tilelang" and forced.config["block_N"] == 256
     a100 = _config.choose("sm80", "gemm", {**facts, "m": 8192, "n": 8192, "k": 8192})
     assert a100 is not None and a100.backend == "tilelang" and a100.config["block_K"] == 32
-    small = _config.choose("sm90", "gemm", {**facts, "m": 1})
+    with kernels.use_backend("framework"):
+        kept = _config.choose("sm80", "gemm", {**facts, "m": 8192, "n": 8192, "k": 8192})
+    assert kept is not None and kept.backend == "framework"
+    with kernels.use_backend("tilelang"):
+        small = _config.choose("sm90", "gemm", {**facts, "m": 1})
     assert small is not None and small.config["block_M"] == 64
     causal80 = _config.choose("sm80", "attention", {"seq_q": 4096, "mask": "causal", "dtype": "float16"})
     assert causal80 is not None and causal80.config["num_stages"] == 1

@@ -3,11 +3,18 @@ fresh process, and checks on what came out (wgmma on sm90, none on sm80) -- no G
 
 Cold compiles fan out over spawned worker processes; their caches are merged into the run's
 cache so that the correctness and measurement steps start warm.
+
+A cold compile is a property of the kernel's source, its config and the compiler stack. The run
+cache keeps each measured cold compile under a key of exactly those; a later run whose key is
+unchanged reuses the figure (and says from which run) instead of paying it again, unless asked to
+re-measure with cold="always".
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import os
 import shutil
 import time
@@ -58,6 +65,30 @@ def inspect_source(src: str, arch: str) -> dict[str, Any]:
         "source_sha256": hashlib.sha256(src.encode()).hexdigest(),
         "source_bytes": len(src),
     }
+
+
+COLD_INDEX = "tilepilot-cold-compiles.json"
+
+
+@functools.cache
+def _stack_key() -> str:
+    from importlib.metadata import version
+
+    from tilepilot import envinfo
+
+    kernels_dir = Path(__file__).resolve().parent.parent / "kernels"
+    h = hashlib.sha256()
+    for f in sorted(kernels_dir.rglob("*")):
+        if f.suffix in (".py", ".toml") and "__pycache__" not in f.parts:
+            h.update(f.relative_to(kernels_dir).as_posix().encode() + b"\0" + f.read_bytes())
+    h.update(version("tilelang").encode())
+    h.update(str(envinfo.toolkit()).encode())
+    return h.hexdigest()
+
+
+def compile_key(case: Case, device: str) -> str:
+    """What a cold compile depends on: the kernel sources and configs, the case, TileLang, nvcc."""
+    return hashlib.sha256(f"{_stack_key()}|{device}|{sorted(build_args(case).items())}".encode()).hexdigest()
 
 
 def _cold(case: Case, device: str, cache_dir: str, diag_dir: str | None) -> dict[str, Any]:
@@ -117,28 +148,70 @@ def _merge(src: Path, dst: Path) -> None:
             shutil.copy2(entry, target)
 
 
+def _load_index(run_cache: Path | None) -> dict[str, Any]:
+    f = run_cache / COLD_INDEX if run_cache else None
+    if f is None or not f.exists():
+        return {}
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return {}  # a damaged index only costs a re-measurement
+    return data if isinstance(data, dict) else {}
+
+
 def build_all(
-    cases: list[Case], device: str, work: Path, run_cache: Path | None, workers: int, warm: bool = True
-) -> list[dict[str, Any]]:
-    """Cold-compile every case (in parallel), then time warm starts; merge caches into run_cache."""
+    cases: list[Case], device: str, work: Path, run_cache: Path | None, workers: int, warm: bool = True,
+    cold: str = "always", run: str = "",
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Cold-compile every case (in parallel), then time warm starts; merge caches into run_cache.
+
+    cold="changed" reuses the cold-compile figure of a case whose compile_key the run cache has
+    already measured (its kernel is in that cache too); "always" measures every case.
+    """
+    from tilepilot import record
+
     work.mkdir(parents=True, exist_ok=True)
-    dirs = [work / f"cold-{i:03d}" for i in range(len(cases))]
-    for d in dirs:
+    index = _load_index(run_cache) if cold == "changed" else {}
+    keys = [compile_key(c, device) for c in cases]
+    results: list[dict[str, Any] | None] = [None] * len(cases)
+    for i, key in enumerate(keys):
+        if key in index and index[key].get("status") == "ok":
+            results[i] = {**index[key], "case": cases[i].id, "cold_reused_from": index[key].get("run", "?")}
+    todo = [i for i, r in enumerate(results) if r is None]
+    dirs = {i: work / f"cold-{i:03d}" for i in todo}
+    for d in dirs.values():
         shutil.rmtree(d, ignore_errors=True)
     ctx = get_context("spawn")  # fork after torch/CUDA init is unsafe; spawn gives clean processes
     diag = str(work.parent / "diagnostics")  # kept beside the records; work/ is scratch
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker) as pool:
-        results = list(pool.map(_cold, cases, [device] * len(cases), [str(d) for d in dirs], [diag] * len(cases)))
+    if todo:
+        with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=ctx, initializer=_init_worker) as pool:
+            fresh = pool.map(_cold, [cases[i] for i in todo], [device] * len(todo), [str(dirs[i]) for i in todo],
+                             [diag] * len(todo))  # fmt: skip
+            for i, r in zip(todo, fresh, strict=True):
+                results[i] = {**r, "compile_key": keys[i], "run": run}
+    done: list[dict[str, Any]] = [r for r in results if r is not None]
     if warm:
-        todo = [i for i, r in enumerate(results) if r["status"] in ("ok", "check-failed")]
-        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker) as pool:
-            times = pool.map(_warm, [cases[i] for i in todo], [device] * len(todo), [str(dirs[i]) for i in todo])
-            for i, t in zip(todo, times, strict=True):
-                results[i]["warm_s"] = t
+        # A fresh process whose only source of the kernel is a cache: the private one a cold compile
+        # just filled, or the run cache for a reused case.
+        ok = [i for i, r in enumerate(done) if r["status"] in ("ok", "check-failed")]
+        where = [str(dirs[i]) if i in dirs else str(run_cache) for i in ok]
+        if ok:
+            with ProcessPoolExecutor(
+                max_workers=min(workers, len(ok)), mp_context=ctx, initializer=_init_worker
+            ) as pool:
+                times = pool.map(_warm, [cases[i] for i in ok], [device] * len(ok), where)
+                for i, t in zip(ok, times, strict=True):
+                    done[i]["warm_s"] = t
     if run_cache is not None:
-        for d in dirs:
+        for d in dirs.values():
             if d.exists():
                 _merge(d, run_cache)
-    for d in dirs:
+        index = _load_index(run_cache)
+        for i in todo:
+            r = done[i]
+            if r["status"] == "ok":
+                index[keys[i]] = {k: v for k, v in r.items() if k not in ("warm_s", "case")}
+        record.write_json(run_cache / COLD_INDEX, index)
+    for d in dirs.values():
         shutil.rmtree(d, ignore_errors=True)
-    return results
+    return done

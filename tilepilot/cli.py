@@ -30,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--workers", type=int, default=None, help="compile workers (default: all cores)")
     r.add_argument("--trials", type=int, default=3)
     r.add_argument("--no-publish", action="store_true")
+    r.add_argument("--cold", choices=["changed", "always"], default="changed",
+                   help="cold compiles: measure only kernels whose source, config or stack changed (default), or all")  # fmt: skip
     sub.add_parser("publish", help="asv publish into html/")
     g = sub.add_parser("gate", help="the release gate for a commit")
     g.add_argument("--commit", default="HEAD")
@@ -59,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             from tilepilot import pilot
 
             return pilot.pilot(args.device, host=args.host, pattern=args.cases, workers=args.workers,
-                               trials=args.trials, matrix_path=args.matrix, publish=not args.no_publish)  # fmt: skip
+                               trials=args.trials, matrix_path=args.matrix, publish=not args.no_publish,
+                               cold=args.cold)  # fmt: skip
         if args.cmd == "publish":
             from tilepilot import history
 

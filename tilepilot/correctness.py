@@ -100,6 +100,10 @@ def _kernel_check(case: Case, device: str, inputs: tuple[torch.Tensor, ...], ref
     out = output_like(case, inputs).fill_(float("nan"))
     kernel(*inputs, out)
     torch.cuda.synchronize()
+    from tilepilot import inject
+
+    if inject.active("wrong", case.id):
+        out.view(-1)[::7] += 1.0  # a kernel that computes wrong values, for the failure path's tests
     return compare(out, ref, case)
 
 

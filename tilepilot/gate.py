@@ -29,14 +29,17 @@ def code_commit(rev: str = "HEAD") -> str:
     return out.stdout.strip()
 
 
-def _latest_run(device: str, commit: str) -> tuple[str, Path] | None:
-    """The newest complete GPU run of this commit on any machine of the device, else None."""
+def _latest_run(device: str, commit: str) -> tuple[str, Path, list[str]] | None:
+    """The newest finished GPU run of this commit on any machine of the device (with the newer runs
+    that never finished, which are named but not judged), else None."""
+    unfinished: list[str] = []
     for mdir in sorted(record.RECORDS.glob(f"{device}-*")):
         if mdir.name.endswith("-compile-only"):
             continue
         for rdir in record.runs_for(mdir.name, commit):
             if (rdir / "run.json").exists():
-                return mdir.name, rdir
+                return mdir.name, rdir, unfinished
+            unfinished.append(rdir.name)
     return None
 
 
@@ -109,8 +112,9 @@ def check_device(mx: matrix.Matrix, device: str, commit: str) -> dict[str, Any]:
         for op in mx.pilot.operators:
             verdict["operators"][op] = {"status": status, "why": why}
         return verdict
-    machine, rdir = found
-    verdict.update(machine=machine, run=rdir.name)
+    machine, rdir, unfinished = found
+    verdict.update(machine=machine, run=rdir.name, unfinished_runs=unfinished)
+    run = record.read_json(rdir / "run.json", "run")
     corr = record.read_json(rdir / "correctness.json", "correctness")
     build = record.read_json(rdir / "build.json", "build")
     stack = _stack_problems(pins, corr["env"])
@@ -119,6 +123,8 @@ def check_device(mx: matrix.Matrix, device: str, commit: str) -> dict[str, Any]:
     for op in mx.pilot.operators:
         opcfg = getattr(mx.operators, op)
         problems: list[str] = [f"stack: {p}" for p in stack]
+        if run.get("failed"):
+            problems.append(f"run: the pilot itself reported failure ({rdir / 'run.json'})")
         if corr.get("pattern"):
             problems.append(f"partial run (--cases {corr['pattern']}): not every matrix case ran")
         rows = [r for r in corr["cases"] if r["case"].startswith(op + "/")]
@@ -163,16 +169,58 @@ def check_device(mx: matrix.Matrix, device: str, commit: str) -> dict[str, Any]:
             "build_failures": [b["case"] for b in build["cases"] if b["case"].startswith(op + "/")
                                and b["status"] not in ("ok", "no-config")],
         }  # fmt: skip
-    verdict["status"] = PASS if all(v["status"] == PASS for v in verdict["operators"].values()) else FAIL
+    verdict["model"] = _model_verdict(mx, rdir, stack)
+    verdict["fallback"] = _fallback_verdict(corr)
+    judged = [*verdict["operators"].values(), verdict["model"], verdict["fallback"]]
+    verdict["status"] = PASS if all(v["status"] == PASS for v in judged) else FAIL
     return verdict
 
 
+def _model_verdict(mx: matrix.Matrix, rdir: Path, stack: list[str]) -> dict[str, Any]:
+    """The block's output agreement and the shipped block's latency against the framework block."""
+    path = rdir / "model.json"
+    if "model" not in mx.pilot.metrics:
+        return {"status": PASS, "problems": [], "shapes": {}, "why": "not a pilot metric"}
+    if not path.exists():
+        return {"status": FAIL, "problems": [f"model: {path.name} missing (the run has no model-level metric)"],
+                "shapes": {}}  # fmt: skip
+    data = record.read_json(path, "model")
+    floor = 1 - mx.model.max_slowdown
+    problems, shapes = [f"stack: {p}" for p in stack], {}
+    for key, m in sorted(data["cases"].items()):
+        if "error" in m:
+            shapes[key] = f"FAIL {m['error']}"
+            continue
+        sp, tl = m["speedup_shipped"], m["speedup_tilelang"]
+        err, tol = m["shipped"]["rel_fro"], m["tolerance"]
+        if not m["agrees"]:
+            worst = max(("framework", "shipped", "tilelang"), key=lambda n: m[n]["rel_fro"])
+            shapes[key] = f"FAIL output: {worst} rel. error {m[worst]['rel_fro']:.2e} > {tol:.0e}"
+        elif sp < floor:
+            shapes[key] = f"FAIL shipped {sp:.3f}x < {floor:.2f}x of the framework block"
+        else:
+            shapes[key] = f"shipped {sp:.3f}x (TileLang everywhere: {tl:.2f}x), rel. error {err:.1e}"
+    problems += [f"model: {k}: {v}" for k, v in shapes.items() if v.startswith("FAIL")]
+    return {"status": FAIL if problems else PASS, "problems": problems, "shapes": shapes}
+
+
+def _fallback_verdict(corr: dict[str, Any]) -> dict[str, Any]:
+    """The forced-fallback tests of this run: tested here only if they ran (not skipped) on the GPU."""
+    tests = {k: v for k, v in corr.get("tests", {}).items() if "test_fallback.py" in k}
+    ran = {k: v for k, v in tests.items() if v["outcome"] != "skipped"}
+    failed = sorted(k for k, v in ran.items() if v["outcome"] == "failed")
+    on_gpu = [k for k in ran if "[cuda]" in k]
+    if failed:
+        return {"status": FAIL, "problems": [f"fallback: {k.split('::')[-1]} failed" for k in failed],
+                "summary": f"FAILED ({len(failed)} of {len(ran)})"}  # fmt: skip
+    if not on_gpu:
+        return {"status": FAIL, "problems": ["fallback: not tested on this device (no forced-fallback test ran on the GPU)"],
+                "summary": "no"}  # fmt: skip
+    return {"status": PASS, "problems": [], "summary": f"yes ({len(on_gpu)} on the GPU, {len(ran)} in all)"}
+
+
 def _fallback(d: dict[str, Any]) -> str:
-    ops = d["operators"].values()
-    if not all("fallback_exercised" in v for v in ops):
-        return "no"
-    n = sum(v["correctness"]["fallback"] for v in ops)
-    return f"yes ({n} cases)" if n else "no"
+    return str(d.get("fallback", {}).get("summary", "no"))
 
 
 def gate(rev: str = "HEAD", matrix_path: Path | None = None, out_dir: Path = OUT) -> int:
@@ -181,9 +229,9 @@ def gate(rev: str = "HEAD", matrix_path: Path | None = None, out_dir: Path = OUT
     devices = [check_device(mx, d, commit) for d in mx.gate.required]
     ok = all(d["status"] == PASS for d in devices)
     ops = list(mx.pilot.operators)
-    table = [[d["device"], d.get("machine", "-"), *(d["operators"][op]["status"] for op in ops), _fallback(d)]
-             for d in devices]  # fmt: skip
-    text = tabulate(table, headers=["device", "machine", *ops, "fallback tested"], tablefmt="github")
+    table = [[d["device"], d.get("machine", "-"), *(d["operators"][op]["status"] for op in ops),
+              d.get("model", {}).get("status", d["status"]), _fallback(d)] for d in devices]  # fmt: skip
+    text = tabulate(table, headers=["device", "machine", *ops, "model", "fallback tested"], tablefmt="github")
     lines = [f"# Release gate: {'PASS' if ok else 'FAIL'}", "", f"code commit `{commit}`", "", text, ""]
     for d in devices:
         for op in ops:
@@ -193,6 +241,11 @@ def gate(rev: str = "HEAD", matrix_path: Path | None = None, out_dir: Path = OUT
                           tabulate(sorted(v["shapes"].items()), headers=["representative case", "verdict"], tablefmt="github"), ""]  # fmt: skip
             for p in v.get("problems", []) or ([v["why"]] if "why" in v else []):
                 lines.append(f"- {d['device']} {op}: {p}")
+        if d.get("model", {}).get("shapes"):
+            lines += ["", f"## {d['device']} model-level block", "",
+                      tabulate(sorted(d["model"]["shapes"].items()), headers=["block", "verdict"], tablefmt="github"), ""]  # fmt: skip
+        for p in d.get("model", {}).get("problems", []) + d.get("fallback", {}).get("problems", []):
+            lines.append(f"- {d['device']}: {p}")
         lines.append("")
     record.write_json(out_dir / "gate.json", {"commit": commit, "pass": ok, "devices": devices})
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -203,5 +256,7 @@ def gate(rev: str = "HEAD", matrix_path: Path | None = None, out_dir: Path = OUT
             v = d["operators"][op]
             for p in v.get("problems", [])[:10] or ([v["why"]] if "why" in v else []):
                 print(f"  {d['device']} {op}: {p}")
+        for p in d.get("model", {}).get("problems", []) + d.get("fallback", {}).get("problems", []):
+            print(f"  {d['device']}: {p}")
     print(f"tilepilot: gate {'PASS' if ok else 'FAIL'}; wrote {out_dir / 'gate.md'} and gate.json")
     return 0 if ok else 1

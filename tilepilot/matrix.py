@@ -122,6 +122,33 @@ class Operators(_Strict):
     attention: AttentionOperator
 
 
+class Model(_Strict):
+    """The model-level metric: one Llama-style decoder block, framework ops against kernels."""
+
+    kind: Literal["llama-decoder-block"]
+    hidden: PositiveInt
+    heads: PositiveInt
+    kv_heads: PositiveInt
+    head_dim: Literal[64, 128]
+    intermediate: PositiveInt
+    tokens: Annotated[list[PositiveInt], Field(min_length=1)]
+    dtypes: Annotated[list[Dtype], Field(min_length=1)]
+    seed: int
+    max_slowdown: Annotated[float, Field(ge=0, lt=1)]
+    tolerance: dict[Dtype, Annotated[float, Field(gt=0)]]
+
+    @model_validator(mode="after")
+    def _shape(self) -> Model:
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.heads * self.head_dim != self.hidden:
+            raise ValueError(f"heads x head_dim ({self.heads * self.head_dim}) must equal hidden ({self.hidden})")
+        missing = [d for d in self.dtypes if d not in self.tolerance]
+        if missing:
+            raise ValueError(f"no tolerance for dtype {', '.join(missing)}")
+        return self
+
+
 class Gate(_Strict):
     required: Annotated[list[str], Field(min_length=1)]
     regression_factor: Annotated[float, Field(gt=1.0)]
@@ -132,6 +159,7 @@ class Matrix(_Strict):
     pilot: Pilot
     devices: dict[Annotated[str, Field(pattern=r"^[a-z0-9]+$")], Device]
     operators: Operators
+    model: Model
     gate: Gate
 
     @model_validator(mode="after")

@@ -32,6 +32,7 @@ class Policy:
     budget_s: float = 0.3  # per function, wall time spent sampling (the pilot must fit one 10-minute call)
     batch: int = 10  # first batch; batches then double, so clock reads stay few
     warmup_s: float = 0.025
+    max_hold_s: float = 0.05  # the longest the GPU is held back so that the host can queue a batch
 
 
 class Clocks:
@@ -77,49 +78,114 @@ def _noise(samples: list[float]) -> float:
     return (q[2] - q[0]) / 1.349 / statistics.median(samples)
 
 
-def sample(fn: Callable[[], Any], flush: L2Flush, clocks: Clocks, policy: Policy = Policy()) -> dict[str, Any]:
-    """Time fn with events; returns median, IQR, all samples (ms) and the clock evidence."""
-    t_end = time.perf_counter() + policy.warmup_s
-    n_warm = 0
-    while n_warm < 3 or time.perf_counter() < t_end:
-        fn()
-        n_warm += 1
-    torch.cuda.synchronize()
-    samples: list[float] = []
-    throttled: list[bool] = []
-    clock_before, _ = clocks.read()
-    deadline = time.perf_counter() + policy.budget_s
-    batch = policy.batch
-    while True:
+class _Side:
+    """One function's samples and evidence while sample() alternates between functions."""
+
+    def __init__(self, fn: Callable[[], Any], policy: Policy) -> None:
+        self.fn, self.policy = fn, policy
+        self.samples: list[float] = []
+        self.throttled = 0
+        self.starved = 0
+        self.clocks: list[int] = []
+        self.host_s = 0.0
+        self.batch = policy.batch
+        self.spent = 0.0
+
+    @property
+    def noise(self) -> float:
+        return _noise(self.samples)
+
+    @property
+    def done(self) -> bool:
+        p = self.policy
+        return (
+            (len(self.samples) >= p.min_samples and self.noise <= p.noise)
+            or len(self.samples) >= p.max_samples
+            or self.spent > p.budget_s
+        )
+
+    def warm_up(self) -> None:
+        # Synchronised calls: an unsynchronised loop would queue thousands of long kernels (the
+        # launch queue fills before the host notices) and turn a 25 ms warm-up into half a minute.
+        t_end = time.perf_counter() + self.policy.warmup_s
+        enqueue: list[float] = []
+        while len(enqueue) < 3 or time.perf_counter() < t_end:
+            t0 = time.perf_counter()
+            self.fn()
+            enqueue.append(time.perf_counter() - t0)
+            torch.cuda.synchronize()
+        self.host_s = statistics.median(enqueue)
+
+    def run_batch(self, flush: L2Flush, clocks: Clocks, hold_per_sample_s: float, hz: float) -> None:
+        n = min(self.batch, self.policy.max_samples - len(self.samples))
+        # Hold the GPU back while the host queues the whole batch (nvbench's blocking kernel):
+        # otherwise a short kernel is timed waiting for its own launch, and the "latency" of a
+        # 5 us kernel is the Python call that launched it.
+        hold = min(self.policy.max_hold_s, n * hold_per_sample_s * 1.5)
+        t0 = time.perf_counter()
+        torch.cuda._sleep(int(hold * hz))
         pairs = []
-        for _ in range(min(batch, policy.max_samples - len(samples))):
+        for _ in range(n):
             flush()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            self.fn()
             end.record()
             pairs.append((start, end))
+        queued = time.perf_counter() - t0
         torch.cuda.synchronize()
-        _, hot = clocks.read()
-        samples += [s.elapsed_time(e) for s, e in pairs]
-        throttled += [hot] * len(pairs)
-        batch *= 2
-        noise = _noise(samples)
-        enough = len(samples) >= policy.min_samples and noise <= policy.noise
-        if enough or len(samples) >= policy.max_samples or time.perf_counter() > deadline:
-            break
-    clock_after, _ = clocks.read()
-    q = statistics.quantiles(samples, n=4) if len(samples) > 1 else [samples[0]] * 3
-    return {
-        "median_ms": statistics.median(samples),
-        "iqr_ms": q[2] - q[0],
-        "noise": noise,
-        "converged": noise <= policy.noise,
-        "n": len(samples),
-        "samples_ms": samples,
-        "throttled_samples": sum(throttled),
-        "sm_clock_mhz": [clock_before, clock_after],
-    }
+        self.spent += time.perf_counter() - t0
+        sm, hot = clocks.read()
+        if queued > hold:  # the GPU may have caught up with the host: those samples can include launch gaps
+            self.starved += n
+        if sm is not None:
+            self.clocks.append(sm)
+        self.samples += [s.elapsed_time(e) for s, e in pairs]
+        self.throttled += n if hot else 0
+        self.batch *= 2
+
+    def result(self, clock_before: int | None) -> dict[str, Any]:
+        s = self.samples
+        q = statistics.quantiles(s, n=4) if len(s) > 1 else [s[0]] * 3
+        return {
+            "median_ms": statistics.median(s),
+            "iqr_ms": q[2] - q[0],
+            "noise": self.noise,
+            "converged": self.noise <= self.policy.noise,
+            "n": len(s),
+            "samples_ms": s,
+            "throttled_samples": self.throttled,
+            "starved_samples": self.starved,
+            "host_ms": self.host_s * 1e3,  # the Python call that launches it, measured in warm-up
+            "sm_clock_mhz": [clock_before, self.clocks[-1] if self.clocks else clock_before],
+            "sm_clock_median_mhz": statistics.median(self.clocks) if self.clocks else None,
+        }
+
+
+def sample_many(fns: dict[str, Callable[[], Any]], flush: L2Flush, clocks: Clocks,
+                policy: Policy = Policy()) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Time each function with CUDA events, alternating their batches so that all of them see the
+    same clocks and temperature (a kernel and its reference are compared under one power state).
+
+    Per function: median, IQR, all samples (ms), noise, host launch cost and the clock evidence.
+    """
+    sides = {name: _Side(fn, policy) for name, fn in fns.items()}
+    for side in sides.values():
+        side.warm_up()
+    clock_before, _ = clocks.read()
+    hz = (clock_before or 1980) * 1e6
+    # Per sample the host launches the flush, two events and the function; the flush costs about
+    # what a small torch op does, so twice the function's own launch time plus a margin covers it.
+    while not all(s.done for s in sides.values()):
+        for side in sides.values():
+            if not side.done:
+                side.run_batch(flush, clocks, 2 * side.host_s + 20e-6, hz)
+    return {name: side.result(clock_before) for name, side in sides.items()}
+
+
+def sample(fn: Callable[[], Any], flush: L2Flush, clocks: Clocks, policy: Policy = Policy()) -> dict[str, Any]:
+    """Time one function (see sample_many)."""
+    return sample_many({"fn": fn}, flush, clocks, policy)["fn"]
 
 
 def peak_mib(fn: Callable[[], Any]) -> float:
@@ -152,37 +218,77 @@ def ceilings(flush: L2Flush, clocks: Clocks) -> dict[str, Any]:
     }
 
 
+def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> str:
+    """The backend SDPA picks for these inputs (flash, cuDNN, efficient, math), by torch's own chooser."""
+    from torch.nn.attention import SDPBackend
+
+    idx = torch._fused_sdp_choice(q, k, v, None, 0.0, causal, scale=None, enable_gqa=q.shape[1] != k.shape[1])
+    return SDPBackend(idx).name
+
+
 def measure_case(case: Case, device: str, ceil: dict[str, Any], flush: L2Flush, clocks: Clocks,
                  policy: Policy = Policy()) -> dict[str, Any]:  # fmt: skip
     """Kernel (the compiled TileLang kernel, called directly) against the framework op."""
     from kernels import operator_module
     from tilepilot import build, correctness
 
+    wall: dict[str, float] = {}
+    t = time.perf_counter()
     inputs = correctness.make_inputs(case, 0)
     mod = operator_module(case.op)
     ref_args: tuple[Any, ...] = (*inputs, case.variant == ("nt" if case.op == "gemm" else "causal"))
     out: dict[str, Any] = {"case": case.id, "group": case.group, "flops": case.flops}
+    reference: Callable[[], Any] = lambda: mod.reference(*ref_args)  # noqa: E731
+    if case.op == "attention":
+        # The framework op is what SDPA picks by default; the run records which backend that was and
+        # holds it to that backend, so that a second run cannot silently time another one.
+        from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    def reference() -> Any:
-        return mod.reference(*ref_args)
+        q, k, v = inputs
+        out["reference_backend"] = sdpa_backend(q, k, v, causal=case.variant == "causal")
+        pinned = getattr(SDPBackend, out["reference_backend"])
 
-    out["reference"] = sample(reference, flush, clocks, policy)
-    out["reference"]["peak_mib"] = peak_mib(reference)
+        def reference() -> Any:
+            with sdpa_kernel([pinned]):
+                return mod.reference(*ref_args)
+
+    wall["inputs_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    reference()  # its first call: cuDNN builds its plan, cuBLAS picks its algorithm; not timed
+    torch.cuda.synchronize()
+    wall["reference_first_call_s"] = time.perf_counter() - t
     ch = build.choice(case, device)
     out["shipped"] = "tilelang" if ch is not None and ch.backend == "tilelang" else "framework"
+    fns: dict[str, Callable[[], Any]] = {"reference": reference}
+    dst = None
     if ch is None:
         out["kernel"] = None
         out["note"] = f"no {case.op} config for {device}"
+    else:
+        t = time.perf_counter()
+        kernel = build.compile_case(case, device)
+        wall["kernel_load_s"] = time.perf_counter() - t
+        dst = correctness.output_like(case, inputs)
+
+        def tl() -> Any:
+            kernel(*inputs, dst)
+            return dst
+
+        t = time.perf_counter()
+        tl()
+        torch.cuda.synchronize()
+        wall["kernel_first_call_s"] = time.perf_counter() - t
+        fns["kernel"] = tl
+    t = time.perf_counter()
+    out.update(sample_many(fns, flush, clocks, policy))
+    wall["sampling_s"] = time.perf_counter() - t
+    out["reference"]["peak_mib"] = peak_mib(reference)
+    out["wall_s"] = wall
+    if dst is None:
         return out
-    kernel = build.compile_case(case, device)
-    dst = correctness.output_like(case, inputs)
-
-    def tl() -> Any:
-        kernel(*inputs, dst)
-        return dst
-
-    out["kernel"] = sample(tl, flush, clocks, policy)
-    out["kernel"]["peak_mib"] = peak_mib(tl) + dst.numel() * dst.element_size() / 2**20  # count its output too
+    out["kernel"]["peak_mib"] = (
+        peak_mib(fns["kernel"]) + dst.numel() * dst.element_size() / 2**20
+    )  # count its output too
     k_ms, r_ms = out["kernel"]["median_ms"], out["reference"]["median_ms"]
     for side, ms in (("kernel", k_ms), ("reference", r_ms)):
         tflops = case.flops / (ms * 1e-3) / 1e12

@@ -141,27 +141,30 @@ def attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q·kᵀ/√d)·v as SDPA computes it; SDPA itself where the TileLang kernel does not apply."""
-    device, reason = _dispatch.tensor_device(q, k, v)
+    # What the kernel supports comes first, where it can run second (as in kernels.gemm).
     dtype = DTYPES.get(q.dtype, str(q.dtype).removeprefix("torch."))
     f: dict[str, Any] = {}
-    if not reason:
-        if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-            reason = f"unsupported dtype: {q.dtype}"
-        elif attn_mask is not None:
-            reason = "unsupported mask: explicit attn_mask (only none and causal)"
-        elif q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
-            reason = "unsupported shape: q, k, v must be 4-d (B, H, S, D), k and v alike"
-        elif q.shape[-1] not in HEAD_DIMS or k.shape[-1] != q.shape[-1]:
-            reason = f"unsupported shape: head_dim {q.shape[-1]} (supported: {HEAD_DIMS})"
-        elif q.shape[1] % k.shape[1] or q.shape[0] != k.shape[0]:
-            reason = "unsupported shape: heads must be a multiple of kv_heads, batch equal"
-        elif not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
-            reason = "unsupported shape: non-contiguous input"
-        else:
-            b, h, sq, d = q.shape
-            f = facts(b, h, k.shape[1], sq, k.shape[2], d, "causal" if causal else "none", dtype)
+    reason = ""
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        reason = f"unsupported dtype: {q.dtype}"
+    elif attn_mask is not None:
+        reason = "unsupported mask: explicit attn_mask (only none and causal)"
+    elif q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
+        reason = "unsupported shape: q, k, v must be 4-d (B, H, S, D), k and v alike"
+    elif q.shape[-1] not in HEAD_DIMS or k.shape[-1] != q.shape[-1]:
+        reason = f"unsupported shape: head_dim {q.shape[-1]} (supported: {HEAD_DIMS})"
+    elif q.shape[1] % k.shape[1] or q.shape[0] != k.shape[0]:
+        reason = "unsupported shape: heads must be a multiple of kv_heads, batch equal"
+    elif not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous()):
+        reason = "unsupported shape: non-contiguous input"
+    else:
+        b, h, sq, d = q.shape
+        f = facts(b, h, k.shape[1], sq, k.shape[2], d, "causal" if causal else "none", dtype)
     if out is not None and not reason and (out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous()):
         reason = "unsupported shape: `out` is not a contiguous tensor like q"
+    device = None
+    if not reason:
+        device, reason = _dispatch.tensor_device(q, k, v)
 
     def launch(cfg: dict[str, Any], dev: str) -> torch.Tensor:
         kernel = build(**f, device=dev, cfg=cfg)

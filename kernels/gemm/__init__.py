@@ -66,24 +66,28 @@ def reference(a: torch.Tensor, b: torch.Tensor, trans_b: bool = False) -> torch.
 
 def gemm(a: torch.Tensor, b: torch.Tensor, *, trans_b: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b.T`` if trans_b else ``a @ b``; torch.matmul where the TileLang kernel does not apply."""
-    device, reason = _dispatch.tensor_device(a, b)
+    # What the kernel supports comes first, where it can run second: the reason names the most
+    # fundamental obstacle, and every input reason can be exercised on a machine without a GPU.
     layout = "nt" if trans_b else "nn"
     dtype = DTYPES.get(a.dtype, str(a.dtype).removeprefix("torch."))
     m = n = k = 0
-    if not reason:
-        if a.dtype not in DTYPES or b.dtype != a.dtype:
-            reason = f"unsupported dtype: {a.dtype} x {b.dtype}"
-        elif a.dim() != 2 or b.dim() != 2:
-            reason = f"unsupported shape: {a.dim()}-d x {b.dim()}-d (2-d only)"
-        elif not (a.is_contiguous() and b.is_contiguous()):
-            reason = "unsupported shape: non-contiguous input"
-        else:
-            m, k = a.shape
-            n, kb = b.shape if trans_b else (b.shape[1], b.shape[0])
-            if kb != k:
-                raise ValueError(f"gemm: inner dimensions differ: {tuple(a.shape)} and {tuple(b.shape)}")
+    reason = ""
+    if a.dtype not in DTYPES or b.dtype != a.dtype:
+        reason = f"unsupported dtype: {a.dtype} x {b.dtype}"
+    elif a.dim() != 2 or b.dim() != 2:
+        reason = f"unsupported shape: {a.dim()}-d x {b.dim()}-d (2-d only)"
+    elif not (a.is_contiguous() and b.is_contiguous()):
+        reason = "unsupported shape: non-contiguous input"
+    else:
+        m, k = a.shape
+        n, kb = b.shape if trans_b else (b.shape[1], b.shape[0])
+        if kb != k:
+            raise ValueError(f"gemm: inner dimensions differ: {tuple(a.shape)} and {tuple(b.shape)}")
     if out is not None and not reason and (out.shape != (m, n) or out.dtype != a.dtype or not out.is_contiguous()):
         reason = "unsupported shape: `out` is not a contiguous (m, n) tensor of the input dtype"
+    device = None
+    if not reason:
+        device, reason = _dispatch.tensor_device(a, b)
 
     def launch(cfg: dict[str, Any], dev: str) -> torch.Tensor:
         kernel = build(m, n, k, layout, dtype, dev, cfg)

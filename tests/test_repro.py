@@ -1,0 +1,91 @@
+"""The smallest reproducer: shape minimization, and reproducer folders for injected failures whose
+repro.py (torch and tilelang only) exits 1 while the bug is there."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import _config, _dispatch, operator_module
+from tilepilot import cases, matrix, repro
+
+GPU = torch.cuda.is_available() and _config.device_for_capability(*torch.cuda.get_device_capability()) == "sm90"
+CASE = next(c for c in cases.expand(matrix.load()) if c.id == "gemm/llama8b-o-t4096/float16/nt")
+
+
+def test_minimize_finds_the_smallest_failing_shape() -> None:
+    # A bug that needs k > 40 and m >= 3 (say a tail path and a second row block).
+    probes: list[dict[str, int]] = []
+
+    def fails(d: dict[str, int]) -> bool:
+        probes.append(d)
+        return d["k"] > 40 and d["m"] >= 3
+
+    dims, log = repro.minimize({"m": 4096, "n": 4096, "k": 4096}, fails, ["m", "n", "k"], max_tries=40)
+    assert dims == {"m": 3, "n": 1, "k": 41}
+    assert len(log) == len(probes) <= 36 and all(fails(s["dims"]) == s["fails"] for s in log)
+
+
+def test_minimize_keeps_the_shape_when_nothing_smaller_fails() -> None:
+    dims, _ = repro.minimize({"m": 64, "n": 8}, lambda d: d == {"m": 64, "n": 8}, ["m", "n"])
+    assert dims == {"m": 64, "n": 8}
+
+
+@pytest.fixture
+def patched(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    memo = dict(_dispatch._built), dict(_dispatch._failed)
+    _dispatch._built.clear()
+    _dispatch._failed.clear()
+    yield monkeypatch
+    _dispatch._built.clear()
+    _dispatch._failed.clear()
+    _dispatch._built.update(memo[0])
+    _dispatch._failed.update(memo[1])
+
+
+def _run(script: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False)
+
+
+def test_compile_failure_is_minimized_and_reproduces(patched: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from broken_kernels import gemm_program
+
+    patched.setattr(operator_module("gemm"), "program", gemm_program)
+    with pytest.raises(_dispatch.CompileFailed) as exc:
+        operator_module("gemm").build(4096, 4096, 4096, "nt", "float16", "sm90", cfg={"block_M": 128})
+    out = repro.write(CASE, "sm90", "compile", str(exc.value), diagnostics="the compiler's log", root=tmp_path)
+    assert out == tmp_path / "sm90" / "gemm__llama8b-o-t4096__float16__nt"
+    info = repro.summary(out)
+    # The K check fails at every shape: each dimension bisects down to 1.
+    assert info["minimized"] and info["minimized_dims"] == {"m": 1, "n": 1, "k": 1}
+    assert info["original_dims"] == {"m": 4096, "n": 4096, "k": 4096}
+    assert {p.name for p in out.iterdir()} >= {"repro.py", "diagnostics.log", "env.json", "failure.json"}
+    assert json.loads((out / "env.json").read_text())["tilelang"] == "0.1.15"
+    proc = _run(out / "repro.py")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "REPRODUCED: the compile fails" in proc.stdout and "K shape check failed" in proc.stderr
+
+
+def test_wrong_values_reproducer(patched: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The kernel compiles but drops its last K tile. On the GPU the reproducer is minimized by
+    running it and exits 1; elsewhere it compiles, says it cannot run, and exits 2."""
+    from broken_kernels import gemm_drops_last_k_tile
+
+    patched.setattr(operator_module("gemm"), "program", gemm_drops_last_k_tile)
+    cfg = {"block_M": 64, "block_N": 64, "block_K": 32, "num_stages": 1, "threads": 128}
+    out = repro.write(CASE, "sm90", "wrong", "rel. error 0.4", cfg=cfg, root=tmp_path, on_device=GPU, max_tries=8)
+    info = repro.summary(out)
+    assert (out / "kernel.cu").read_text().count("__global__") >= 1
+    proc = _run(out / "repro.py")
+    if GPU:
+        assert info["minimized"] and all(v < 4096 for v in info["minimized_dims"].values())
+        assert proc.returncode == 1 and "REPRODUCED" in proc.stdout, proc.stdout + proc.stderr
+    else:
+        assert not info["minimized"] and "needs the sm90 GPU" in info["not_minimized_because"]
+        assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stdout, proc.stdout + proc.stderr

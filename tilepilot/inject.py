@@ -1,0 +1,32 @@
+"""Fault injection (failpoints) that prove the failure path end to end: TILEPILOT_INJECT holds
+comma-separated `<kind>:<case-glob>` items.
+
+    hang:<glob>    the correctness test of a matching case never returns
+    crash:<glob>   its process dies of SIGSEGV
+    wrong:<glob>   the TileLang kernel's output is corrupted after it ran (needs the GPU)
+
+Nothing is injected unless the variable is set; the pilot records it in run.json when it is.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import signal
+import time
+
+
+def active(kind: str, case_id: str) -> bool:
+    for item in filter(None, os.environ.get("TILEPILOT_INJECT", "").split(",")):
+        k, _, glob = item.partition(":")
+        if k == kind and fnmatch.fnmatch(case_id, glob):
+            return True
+    return False
+
+
+def harness_fault(case_id: str) -> None:
+    if active("crash", case_id):
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if active("hang", case_id):
+        while True:
+            time.sleep(3600)

@@ -1,0 +1,290 @@
+"""The smallest reproducer of a failed case: results/repro/<device>/<case>/.
+
+    repro.py          tilelang + torch only: the kernel's program, its config, the seeded inputs and
+                      the check; exit 1 while the bug is there, 0 once fixed, 2 where it cannot run
+    kernel.cu         the generated device source, when the compile got that far
+    diagnostics.log   the compiler's or the harness's own account of the failure
+    env.json          the environment capture
+    failure.json      kind, message, the original shape and the minimized one, every shrink step
+
+Minimization shrinks one dimension at a time by bisection while the failure persists (same dtype,
+mask or layout, same config). A compile failure is minimized anywhere nvcc is; wrong values, a
+crash or a hang need the device, and where it is absent the record says so instead of guessing.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tilepilot import envinfo, record
+from tilepilot.cases import Case
+
+KINDS = ("compile", "wrong", "crash", "hang")
+
+
+def repro_dir(device: str, case_id: str, root: Path | None = None) -> Path:
+    return (root or record.RESULTS / "repro") / device / case_id.replace("/", "__")
+
+
+def dims_space(case: Case) -> list[str]:
+    """The dimensions that shrink, outermost first (a smaller batch or head count helps most)."""
+    if case.op == "gemm":
+        return ["m", "n", "k"]
+    return ["batch", "kv_heads", "groups", "seq_q", "seq_kv"]
+
+
+def _to_case_dims(case: Case, dims: dict[str, int]) -> dict[str, int]:
+    if case.op == "gemm":
+        return dict(dims)
+    out = {k: v for k, v in dims.items() if k != "groups"}
+    out["heads"] = dims["kv_heads"] * dims["groups"]
+    return out
+
+
+def _from_case_dims(case: Case) -> dict[str, int]:
+    d = dict(case.dims)
+    if case.op == "attention":
+        d["groups"] = d["heads"] // d["kv_heads"]
+        del d["heads"]
+    return d
+
+
+def minimize(dims: dict[str, int], fails: Callable[[dict[str, int]], bool], order: list[str],
+             max_tries: int = 40, budget_s: float = 300.0) -> tuple[dict[str, int], list[dict[str, Any]]]:  # fmt: skip
+    """Bisect each dimension in `order` down to the smallest value at which `fails` still holds.
+
+    The failure is assumed to persist at the current shape. Each probe is logged; a probe that
+    raises counts as "does not fail" (a different error is not the same bug)."""
+    cur, log = dict(dims), list[dict[str, Any]]()
+    deadline = time.monotonic() + budget_s
+    for name in order:
+        lo, hi = 1, cur[name]  # invariant: fails at hi
+        while lo < hi and len(log) < max_tries and time.monotonic() < deadline:
+            mid = (lo + hi) // 2
+            trial = {**cur, name: mid}
+            try:
+                hit = bool(fails(trial))
+            except Exception as exc:
+                hit = False
+                log.append({"dims": trial, "fails": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]})
+            else:
+                log.append({"dims": trial, "fails": hit})
+            if hit:
+                hi = mid
+            else:
+                lo = mid + 1
+        cur[name] = hi
+    return cur, log
+
+
+# -- the standalone script ---------------------------------------------------------------------
+
+_TEMPLATE = '''\
+"""Reproducer for {case_id} on {device} ({kind}), written by tilepilot on {when}.
+
+Needs only torch and tilelang. Exit status: 1 while the failure reproduces, 0 once it is fixed,
+2 where it cannot run (no CUDA GPU for a runtime failure).
+Original shape: {original}. Minimized: {dims}.
+"""
+import sys
+import traceback
+from typing import Any
+
+import torch
+import tilelang
+
+LOG2E = 1.44269504
+OP = {op!r}
+DIMS = {dims!r}
+DTYPE = {dtype!r}
+VARIANT = {variant!r}
+CFG = {cfg!r}
+TARGET = {target!r}
+SEED = {seed!r}
+TOL = {tol!r}
+
+{program}
+
+def build() -> Any:
+    d = DIMS
+    if OP == "gemm":
+        return program(d["m"], d["n"], d["k"], VARIANT, DTYPE, CFG)
+    return program(d["batch"], d["heads"], d["kv_heads"], d["seq_q"], d["seq_kv"], d["head_dim"],
+                   VARIANT == "causal", DTYPE, CFG)
+
+
+def inputs() -> tuple:
+    g = torch.Generator(device="cuda").manual_seed(SEED)
+    dt = getattr(torch, DTYPE)
+    randn = lambda *s, scale=1.0: (torch.randn(s, generator=g, device="cuda") * scale).to(dt)
+    d = DIMS
+    if OP == "gemm":
+        b = (d["n"], d["k"]) if VARIANT == "nt" else (d["k"], d["n"])
+        return randn(d["m"], d["k"]), randn(*b, scale=d["k"] ** -0.5)
+    return (randn(d["batch"], d["heads"], d["seq_q"], d["head_dim"]),
+            randn(d["batch"], d["kv_heads"], d["seq_kv"], d["head_dim"]),
+            randn(d["batch"], d["kv_heads"], d["seq_kv"], d["head_dim"]))
+
+
+def reference(args: tuple) -> torch.Tensor:
+    if OP == "gemm":
+        a, b = (t.double() for t in args)
+        return a @ (b.t() if VARIANT == "nt" else b)
+    q, k, v = (t.float() for t in args)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=VARIANT == "causal").double()
+
+
+def main() -> int:
+    try:
+        kernel = tilelang.compile(build(), target=TARGET)
+    except Exception:
+        traceback.print_exc()
+        print("REPRODUCED: the compile fails")
+        return 1
+    if not torch.cuda.is_available():
+        print("cannot run here: the kernel compiles; its runtime check needs a CUDA GPU")
+        return 2
+    args = inputs()
+    if OP == "gemm":
+        out = torch.full((DIMS["m"], DIMS["n"]), float("nan"), dtype=args[0].dtype, device="cuda")
+    else:
+        out = torch.full_like(args[0], float("nan"))  # poisoned: every element must be written
+    kernel(*args, out)
+    torch.cuda.synchronize()
+    ref = reference(args)
+    o = out.double()
+    err = float(torch.linalg.vector_norm(o - ref) / torch.linalg.vector_norm(ref))
+    bad = int((~torch.isclose(o, ref, atol=TOL["atol"], rtol=TOL["rtol"])).sum())
+    if not torch.isfinite(o).all() or err > TOL["rel_fro"] or bad:
+        print(f"REPRODUCED: rel. Frobenius error {{err:.3e}} (tolerance {{TOL['rel_fro']}}), {{bad}} elements off")
+        return 1
+    print(f"not reproduced: rel. error {{err:.3e}} within tolerance")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''
+
+
+def render(case: Case, device: str, kind: str, dims: dict[str, int], cfg: dict[str, Any], seed: int) -> str:
+    import datetime as dt
+
+    from kernels import _config, operator_module
+
+    mod = operator_module(case.op)
+    return _TEMPLATE.format(
+        case_id=case.id, device=device, kind=kind, when=dt.date.today().isoformat(), original=case.dims,
+        dims=_to_case_dims(case, dims) if "groups" in dims else dims, op=case.op, dtype=case.dtype,
+        variant=case.variant, cfg=cfg, target=_config.target(device), seed=seed, tol=case.tolerance.model_dump(),
+        program=inspect.getsource(mod.program) + f"\n\nprogram = {mod.program.__name__}\n",
+    )  # fmt: skip
+
+
+def _with_dims(case: Case, dims: dict[str, int]) -> Case:
+    from dataclasses import replace
+
+    return replace(case, dims=_to_case_dims(case, dims))
+
+
+def _compile_fails(case: Case, device: str, cfg: dict[str, Any], expected: str) -> Callable[[dict[str, int]], bool]:
+    from tilepilot import build
+
+    def fails(dims: dict[str, int]) -> bool:
+        from kernels import _dispatch, operator_module
+
+        c = _with_dims(case, dims)
+        try:
+            operator_module(c.op).build(**build.build_args(c), device=device, cfg=cfg)
+        except _dispatch.CompileFailed as exc:
+            return str(exc).split(":")[0] == expected.split(":")[0]  # the same exception type
+        return False
+
+    return fails
+
+
+def _script_fails(case: Case, device: str, kind: str, cfg: dict[str, Any], seed: int,
+                  timeout_s: float) -> Callable[[dict[str, int]], bool]:  # fmt: skip
+    """Run the rendered reproducer at a shape in a subprocess: exit 1, a signal, or the timeout."""
+
+    def fails(dims: dict[str, int]) -> bool:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            script = Path(tmp) / "repro.py"
+            script.write_text(render(case, device, kind, dims, cfg, seed), encoding="utf-8")
+            try:
+                proc = subprocess.run(
+                    [sys.executable, str(script)], capture_output=True, timeout=timeout_s, check=False
+                )
+            except subprocess.TimeoutExpired:
+                return kind == "hang"
+        if kind == "crash":
+            return proc.returncode < 0 or proc.returncode not in (0, 1, 2)
+        return proc.returncode == 1
+
+    return fails
+
+
+def write(case: Case, device: str, kind: str, message: str, *, diagnostics: str = "", seed: int = 0,
+          cfg: dict[str, Any] | None = None, root: Path | None = None, on_device: bool = False,
+          timeout_s: float = 120.0, max_tries: int = 40) -> Path:  # fmt: skip
+    """Write the reproducer folder for a failed case, minimizing its shape where that can run here."""
+    from kernels import operator_module
+    from tilepilot import build
+
+    if kind not in KINDS:
+        raise ValueError(f"failure kind {kind!r} is not one of {KINDS}")
+    if cfg is None:
+        ch = build.choice(case, device)
+        cfg = dict(ch.config) if ch is not None else {}
+    out = repro_dir(device, case.id, root)
+    out.mkdir(parents=True, exist_ok=True)
+    original = _from_case_dims(case)
+    fails: Callable[[dict[str, int]], bool] | None = None
+    why_not = ""
+    if kind == "compile":
+        fails = _compile_fails(case, device, cfg, message)
+    elif on_device:
+        fails = _script_fails(case, device, kind, cfg, seed, timeout_s)
+    else:
+        why_not = f"minimizing a {kind} failure needs the {device} GPU; not run here"
+    dims, log = original, list[dict[str, Any]]()
+    t0 = time.perf_counter()
+    if fails is not None:
+        dims, log = minimize(original, fails, dims_space(case), max_tries=max_tries)
+    small = _with_dims(case, dims)
+    (out / "repro.py").write_text(render(case, device, kind, dims, cfg, seed), encoding="utf-8")
+    try:  # the generated source at the minimized shape, when the compile gets that far
+        from kernels import _dispatch
+
+        kernel = operator_module(case.op).build(**build.build_args(small), device=device, cfg=cfg)
+        (out / "kernel.cu").write_text(kernel.get_kernel_source(), encoding="utf-8")
+    except _dispatch.CompileFailed:
+        pass
+    except Exception:
+        (out / "kernel.cu.error").write_text(traceback.format_exc(), encoding="utf-8")
+    (out / "diagnostics.log").write_text(diagnostics or message, encoding="utf-8")
+    record.write_json(out / "env.json", envinfo.capture())
+    record.write_json(out / "failure.json", {
+        "case": case.id, "device": device, "kind": kind, "message": message, "seed": seed, "config": cfg,
+        "original_dims": case.dims, "minimized_dims": small.dims, "minimized": fails is not None,
+        "not_minimized_because": why_not, "shrink_steps": log, "minimize_s": time.perf_counter() - t0,
+        "pid": os.getpid(),
+    })  # fmt: skip
+    return out
+
+
+def summary(path: Path) -> dict[str, Any]:
+    return dict(json.loads((path / "failure.json").read_text(encoding="utf-8")))
