@@ -1,9 +1,11 @@
 """What both operator suites share. asv skips names with a leading underscore, so this base is
 not itself a benchmark; bench_<op>.py subclasses it with the operator and its case ids.
 
-The measurement (tilepilot.measure, CUDA events, L2 flush, adaptive sampling) runs once per
-operator in setup_cache; each track_ returns one case's value, latencies as samples so that asv's
-own statistics serve `asv compare` and the gate.
+The measurement (tilepilot.measure, CUDA events, L2 flush, adaptive sampling) runs once for all
+suites, in the setup_cache that they all inherit from _Measured: asv keys a setup_cache by the
+function's source location, so one inherited function is one process and one set of imports. Each
+track_ returns one case's value, latencies as samples so that asv's own statistics serve
+`asv compare` and the gate.
 """
 
 from __future__ import annotations
@@ -24,33 +26,35 @@ def case_ids(op: str) -> list[str]:
 
 
 def model_ids() -> list[str]:
-    m = matrix.load().model
-    return [f"model/llama-block-t{t}/{d}" for t in m.tokens for d in m.dtypes]
+    from tilepilot import model
+
+    return model.case_ids(matrix.load())
 
 
-class _OperatorSuite:
+class _Measured:
+    """The one measurement every suite reads its part of (data[op])."""
+
     op = ""
     param_names = ["case"]
     timeout = 1800.0
 
-    def _measure(self) -> dict[str, Any]:
-        # Each suite defines its own setup_cache calling this: asv keys its cache by the function's
-        # source location, so one inherited setup_cache would hand gemm the attention numbers.
-        from tilepilot.measure import measure_operator
+    def setup_cache(self) -> Any:
+        from tilepilot.measure import measure_all
 
         run_dir = os.environ.get("TILEPILOT_RUN_DIR")
-        return measure_operator(
-            self.op, os.environ.get("TILEPILOT_DEVICE", "sm90"), os.environ.get("TILEPILOT_CASES") or None,
-            Path(run_dir) if run_dir else None,
-        )  # fmt: skip
+        return measure_all(os.environ.get("TILEPILOT_DEVICE", "sm90"), os.environ.get("TILEPILOT_CASES") or None,
+                           Path(run_dir) if run_dir else None)  # fmt: skip
 
-    @staticmethod
-    def _get(data: dict[str, Any], case: str, side: str, key: str) -> Any:
+    def _get(self, data: dict[str, Any], case: str, side: str, key: str) -> Any:
         # NaN is asv's "not measured": a missing value is never a number, and never a failure.
-        res = data["cases"].get(case) or {}
+        res = data[self.op]["cases"].get(case) or {}
         if side:
             res = res.get(side) or {}
         return res.get(key, math.nan)
+
+
+class _OperatorSuite(_Measured):
+    """One operator's tracks; bench_<op>.py sets `op` and the case ids."""
 
     def track_kernel_ms(self, data: dict[str, Any], case: str) -> Any:
         samples = self._get(data, case, "kernel", "samples_ms")
@@ -85,13 +89,13 @@ class _OperatorSuite:
     track_reference_peak_mib.unit = "MiB"  # type: ignore[attr-defined]
 
     def track_cold_compile_s(self, data: dict[str, Any], case: str) -> float:
-        value = data["compile"].get(case, {}).get("cold_s")
+        value = data[self.op]["compile"].get(case, {}).get("cold_s")
         return math.nan if value is None else float(value)
 
     track_cold_compile_s.unit = "s"  # type: ignore[attr-defined]
 
     def track_warm_start_s(self, data: dict[str, Any], case: str) -> float:
-        value = data["compile"].get(case, {}).get("warm_s")
+        value = data[self.op]["compile"].get(case, {}).get("warm_s")
         return math.nan if value is None else float(value)
 
     track_warm_start_s.unit = "s"  # type: ignore[attr-defined]

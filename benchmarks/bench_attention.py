@@ -1,13 +1,8 @@
 """Attention forward: the TileLang kernel against SDPA, one parameter per matrix case."""
 
-from typing import Any
-
 from benchmarks._suite import _OperatorSuite, case_ids
 
 
 class TrackAttention(_OperatorSuite):
     op = "attention"
     params = [case_ids("attention")]
-
-    def setup_cache(self) -> Any:
-        return self._measure()

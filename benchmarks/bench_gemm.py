@@ -1,13 +1,8 @@
 """GEMM: the TileLang kernel against torch.matmul, one parameter per matrix case."""
 
-from typing import Any
-
 from benchmarks._suite import _OperatorSuite, case_ids
 
 
 class TrackGemm(_OperatorSuite):
     op = "gemm"
     params = [case_ids("gemm")]
-
-    def setup_cache(self) -> Any:
-        return self._measure()

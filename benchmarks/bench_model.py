@@ -1,37 +1,15 @@
 """The model-level metric: one Llama-style decoder block on framework ops, on the shipped kernels
 (the configs deciding) and on every TileLang kernel (kernels.use_backend("tilelang"))."""
 
-import fnmatch
 import math
-import os
-from pathlib import Path
 from typing import Any
 
-from benchmarks._suite import model_ids
+from benchmarks._suite import _Measured, model_ids
 
 
-class TrackModel:
-    param_names = ["case"]
+class TrackModel(_Measured):
+    op = "model"
     params = [model_ids()]
-    timeout = 1800.0
-
-    def setup_cache(self) -> Any:
-        from tilepilot import matrix
-        from tilepilot.model import measure_model
-
-        pattern = os.environ.get("TILEPILOT_CASES") or None
-        if pattern and not any(fnmatch.fnmatch(i, p) for i in model_ids() for p in pattern.split(",")):
-            return {"cases": {}}  # a partial run that selected no model case
-        run_dir = os.environ.get("TILEPILOT_RUN_DIR")
-        return measure_model(matrix.load(), os.environ.get("TILEPILOT_DEVICE", "sm90"),
-                             Path(run_dir) if run_dir else None)  # fmt: skip
-
-    @staticmethod
-    def _get(data: dict[str, Any], case: str, side: str, key: str) -> Any:
-        res = data["cases"].get(case) or {}
-        if side:
-            res = res.get(side) or {}
-        return res.get(key, math.nan)
 
     def _samples(self, data: dict[str, Any], case: str, side: str) -> Any:
         samples = self._get(data, case, side, "samples_ms")

@@ -79,12 +79,14 @@ def test_wrong_values_reproducer(patched: pytest.MonkeyPatch, tmp_path: Path) ->
 
     patched.setattr(operator_module("gemm"), "program", gemm_drops_last_k_tile)
     cfg = {"block_M": 64, "block_N": 64, "block_K": 32, "num_stages": 1, "threads": 128}
-    out = repro.write(CASE, "sm90", "wrong", "rel. error 0.4", cfg=cfg, root=tmp_path, on_device=GPU, max_tries=8)
+    out = repro.write(CASE, "sm90", "wrong", "rel. error 0.4", cfg=cfg, root=tmp_path, on_device=GPU, max_tries=4)
     info = repro.summary(out)
     assert (out / "kernel.cu").read_text().count("__global__") >= 1
     proc = _run(out / "repro.py")
     if GPU:
-        assert info["minimized"] and all(v < 4096 for v in info["minimized_dims"].values())
+        assert (
+            info["minimized"] and info["minimized_dims"]["m"] < 4096 and all(s["fails"] for s in info["shrink_steps"])
+        )
         assert proc.returncode == 1 and "REPRODUCED" in proc.stdout, proc.stdout + proc.stderr
     else:
         assert not info["minimized"] and "needs the sm90 GPU" in info["not_minimized_because"]

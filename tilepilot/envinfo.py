@@ -24,7 +24,9 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
 
 def git() -> dict[str, Any]:
     commit = _run(["git", "rev-parse", "HEAD"], ROOT)
-    status = _run(["git", "status", "--porcelain", "--untracked-files=no"], ROOT)
+    # What a run writes (results, pages, the gate) is not a change to the code being measured.
+    status = _run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!results", ":!html", ":!gate"],
+                  ROOT)  # fmt: skip
     date = _run(["git", "log", "-1", "--format=%cI"], ROOT)
     return {"commit": commit, "dirty": bool(status) if status is not None else None, "date": date}
 

@@ -27,11 +27,14 @@ _THROTTLE_MASK = 0x4 | 0x8 | 0x20 | 0x40 | 0x80
 @dataclass(frozen=True)
 class Policy:
     min_samples: int = 10
-    max_samples: int = 300
+    max_samples: int = 1000
     noise: float = 0.01  # stop once the robust relative spread (IQR/1.349/median) is <= 1%
-    budget_s: float = 0.3  # per function, wall time spent sampling (the pilot must fit one 10-minute call)
+    # A power-capped GPU moves its clock within milliseconds: a window of a few ms catches it boosted
+    # or braked at random. Warm up to the clock the load settles at, and sample at least this long.
+    min_time_s: float = 0.1  # GPU time summed over the samples
+    warmup_s: float = 0.15  # GPU-busy warm-up before the first sample
+    budget_s: float = 0.6  # per function, wall time spent sampling (the pilot must fit one 10-minute call)
     batch: int = 10  # first batch; batches then double, so clock reads stay few
-    warmup_s: float = 0.025
     max_hold_s: float = 0.05  # the longest the GPU is held back so that the host can queue a batch
 
 
@@ -98,23 +101,25 @@ class _Side:
     @property
     def done(self) -> bool:
         p = self.policy
-        return (
-            (len(self.samples) >= p.min_samples and self.noise <= p.noise)
-            or len(self.samples) >= p.max_samples
-            or self.spent > p.budget_s
-        )
+        settled = len(self.samples) >= p.min_samples and sum(self.samples) >= 1e3 * p.min_time_s
+        return (settled and self.noise <= p.noise) or len(self.samples) >= p.max_samples or self.spent > p.budget_s
 
     def warm_up(self) -> None:
-        # Synchronised calls: an unsynchronised loop would queue thousands of long kernels (the
-        # launch queue fills before the host notices) and turn a 25 ms warm-up into half a minute.
-        t_end = time.perf_counter() + self.policy.warmup_s
+        # First synchronised calls (the host's launch cost, and one GPU time), then enough queued
+        # calls to keep the GPU busy for warmup_s. Never an open-ended unsynchronised loop: the
+        # launch queue would fill with thousands of long kernels before the host noticed.
         enqueue: list[float] = []
-        while len(enqueue) < 3 or time.perf_counter() < t_end:
+        t_gpu = 0.0
+        for _ in range(3):
             t0 = time.perf_counter()
             self.fn()
             enqueue.append(time.perf_counter() - t0)
             torch.cuda.synchronize()
+            t_gpu = time.perf_counter() - t0
         self.host_s = statistics.median(enqueue)
+        for _ in range(min(1000, int(self.policy.warmup_s / max(t_gpu, 1e-6)))):
+            self.fn()
+        torch.cuda.synchronize()
 
     def run_batch(self, flush: L2Flush, clocks: Clocks, hold_per_sample_s: float, hz: float) -> None:
         n = min(self.batch, self.policy.max_samples - len(self.samples))
@@ -304,14 +309,17 @@ def measure_case(case: Case, device: str, ceil: dict[str, Any], flush: L2Flush, 
     return out
 
 
-def measure_operator(op: str, device: str, pattern: str | None, run_dir: Path | None) -> dict[str, Any]:
+def measure_operator(op: str, device: str, pattern: str | None, run_dir: Path | None,
+                     tools: tuple[L2Flush, Clocks, dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
     """Measure every selected case of one operator; writes measure-<op>.json into the run folder."""
     from tilepilot import cases, matrix, record
 
     t0 = time.perf_counter()
     sel = [c for c in cases.expand(matrix.load(), pattern) if c.op == op]
-    flush, clocks = L2Flush(), Clocks()
-    ceil = ceilings(flush, clocks)
+    if tools is None:
+        flush, clocks = L2Flush(), Clocks()
+        tools = (flush, clocks, ceilings(flush, clocks))
+    flush, clocks, ceil = tools
     results: dict[str, Any] = {}
     for case in sel:
         try:
@@ -322,9 +330,31 @@ def measure_operator(op: str, device: str, pattern: str | None, run_dir: Path | 
     compile_times: dict[str, Any] = {}
     if run_dir is not None and (run_dir / "build.json").exists():
         for r in record.read_json(run_dir / "build.json", "build")["cases"]:
-            compile_times[r["case"]] = {k: r.get(k) for k in ("cold_s", "warm_s", "status")}
+            compile_times[r["case"]] = {k: r.get(k) for k in ("cold_s", "warm_s", "status", "cold_reused_from")}
     data = {"kind": "measure", "schema": record.SCHEMA, "op": op, "device": device, "ceilings": ceil,
-            "cases": results, "compile": compile_times, "seconds": time.perf_counter() - t0, "complete": True}  # fmt: skip
+            "policy": vars(Policy()), "cases": results, "compile": compile_times,
+            "seconds": time.perf_counter() - t0, "complete": True}  # fmt: skip
     if run_dir is not None:
         record.write_json(run_dir / f"measure-{op}.json", data)
     return data
+
+
+def measure_all(device: str, pattern: str | None, run_dir: Path | None) -> dict[str, Any]:
+    """Everything the benchmarks report, in one process: both operators, then the model-level block.
+    One process pays the torch/TileLang imports and the ceilings once (asv's setup_cache)."""
+    import fnmatch
+
+    from tilepilot import matrix, model
+
+    t0 = time.perf_counter()
+    mx = matrix.load()
+    flush, clocks = L2Flush(), Clocks()
+    tools = (flush, clocks, ceilings(flush, clocks))
+    out: dict[str, Any] = {op: measure_operator(op, device, pattern, run_dir, tools) for op in mx.pilot.operators}
+    ids = model.case_ids(mx)
+    if pattern is None or any(fnmatch.fnmatch(i, p) for i in ids for p in pattern.split(",")):
+        out["model"] = model.measure_model(mx, device, run_dir, (flush, clocks))
+    else:
+        out["model"] = {"cases": {}}
+    out["seconds"] = time.perf_counter() - t0
+    return out

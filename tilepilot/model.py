@@ -108,7 +108,9 @@ def reference_ops() -> tuple[Linear, Attention]:
     def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         g = q.shape[1] // k.shape[1]
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-            return F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), is_causal=True)
+            return F.scaled_dot_product_attention(
+                q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), is_causal=True
+            )
 
     return lambda x, wt: F.linear(x, wt), attention
 
@@ -165,13 +167,19 @@ def evaluate(cfg: Model, tokens: int, dtype: Dtype, device: str) -> dict[str, An
     return res
 
 
-def measure_model(mx: Matrix, device: str, run_dir: Path | None) -> dict[str, Any]:
+def case_ids(mx: Matrix) -> list[str]:
+    return [f"model/llama-block-t{t}/{d}" for t in mx.model.tokens for d in mx.model.dtypes]
+
+
+def measure_model(
+    mx: Matrix, device: str, run_dir: Path | None, tools: tuple[Any, Any] | None = None
+) -> dict[str, Any]:
     """Latency, peak memory and output agreement of the block, per token count and dtype."""
     from tilepilot import measure, record
 
     t0 = time.perf_counter()
     cfg = mx.model
-    flush, clocks = measure.L2Flush(), measure.Clocks()
+    flush, clocks = tools if tools is not None else (measure.L2Flush(), measure.Clocks())
     results: dict[str, Any] = {}
     for tokens in cfg.tokens:
         for dtype in cfg.dtypes:
