@@ -48,12 +48,13 @@ def _docker_reachable() -> bool:
 
 def _pilot(session: nox.Session, device: str) -> None:
     args = list(session.posargs)
-    if "--host" not in args and _docker_reachable():
-        session.error(f"container mode is not available yet (issue #4): run `nox -s pilot-{device} -- --host`")
-    if "--host" not in args:
-        session.log("no Docker engine reachable: host mode, in this environment (nothing is installed)")
-        args.append("--host")
     _tilepilot(session, "matrix", "check")
+    if "--host" not in args:
+        if _docker_reachable():
+            session.log(f"Docker engine reachable: the pilot runs in {device}'s pinned image (--host: here)")
+        else:
+            session.log("no Docker engine reachable: host mode, in this environment (nothing is installed)")
+            args.append("--host")
     _tilepilot(session, "pilot", "--device", device, *args)
 
 
@@ -64,6 +65,18 @@ for _dev in _devices():
         _pilot(session, device)
 
     _pilot_session.__doc__ = f"The pilot for {_dev}: build, correctness, measure (asv), publish."
+
+    @nox.session(name=f"image-{_dev}", venv_backend="none")
+    def _image_session(session: nox.Session, device: str = _dev) -> None:
+        _tilepilot(session, "image", "build", "--device", device, *session.posargs)
+
+    _image_session.__doc__ = f"Build (or reuse) the pinned image for {_dev}; -- --rebuild, --wheelhouse DIR."
+
+    @nox.session(name=f"lock-{_dev}", venv_backend="none")
+    def _lock_session(session: nox.Session, device: str = _dev) -> None:
+        _tilepilot(session, "image", "lock", "--device", device, *session.posargs)
+
+    _lock_session.__doc__ = f"Write containers/locks/{_dev}.lock: the pinned, hash-locked Python stack."
 
 
 @nox.session(venv_backend="none")

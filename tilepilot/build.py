@@ -96,12 +96,13 @@ def _cold(case: Case, device: str, cache_dir: str, diag_dir: str | None) -> dict
     os.environ["TILELANG_CACHE_DIR"] = cache_dir
     from kernels import _config
 
-    arch = _config.target(device)["arch"]
-    out: dict[str, Any] = {"case": case.id, "device": device, "arch": arch}
+    out: dict[str, Any] = {"case": case.id, "device": device}
     ch = choice(case, device)
-    if ch is None:
+    if ch is None:  # a device with no kernel configs (the CPU smoke device) or none for this operator
         out.update(status="no-config", reason=f"no {case.op} config for {device}")
         return out
+    arch = _config.target(device)["arch"]
+    out["arch"] = arch
     # Kernels that the config keeps behind the framework op are built too: they are still
     # correctness-checked and measured, which is how a run shows where a rule should move.
     out.update(config=ch.config, shipped=ch.backend, reason=ch.reason)

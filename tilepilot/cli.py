@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -32,6 +33,13 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--no-publish", action="store_true")
     r.add_argument("--cold", choices=["changed", "always"], default="changed",
                    help="cold compiles: measure only kernels whose source, config or stack changed (default), or all")  # fmt: skip
+    r.add_argument("--rebuild", action="store_true", help="container mode: build the image even if its tag exists")
+    r.add_argument("--wheelhouse", type=Path, default=None, help="container mode: install wheels from DIR, offline")
+    i = sub.add_parser("image", help="the device's pinned image: lock, render, build")
+    i.add_argument("action", choices=["lock", "render", "build", "tag"])
+    i.add_argument("--device", required=True)
+    i.add_argument("--rebuild", action="store_true")
+    i.add_argument("--wheelhouse", type=Path, default=None, help="resolve (lock) or install (build) from DIR")
     sub.add_parser("publish", help="asv publish into html/")
     g = sub.add_parser("gate", help="the release gate for a commit")
     g.add_argument("--commit", default="HEAD")
@@ -41,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.matrix != matrix.DEFAULT_PATH:  # the pilot's subprocesses (pytest, asv) read the same one
+        os.environ["TILEPILOT_MATRIX"] = str(args.matrix.resolve())
+        matrix.DEFAULT_PATH = args.matrix.resolve()
     try:
         mx = matrix.load(args.matrix)
         if args.cmd == "matrix":
@@ -62,7 +73,20 @@ def main(argv: list[str] | None = None) -> int:
 
             return pilot.pilot(args.device, host=args.host, pattern=args.cases, workers=args.workers,
                                trials=args.trials, matrix_path=args.matrix, publish=not args.no_publish,
-                               cold=args.cold)  # fmt: skip
+                               cold=args.cold, rebuild=args.rebuild, wheelhouse=args.wheelhouse)  # fmt: skip
+        if args.cmd == "image":
+            from tilepilot import containers
+
+            mx.device(args.device)
+            if args.action == "lock":
+                print(f"tilepilot: wrote {containers.lock(mx, args.device, args.wheelhouse)}")
+            elif args.action == "render":
+                print(containers.render(mx, args.device, wheelhouse=args.wheelhouse is not None), end="")
+            elif args.action == "tag":
+                print(containers.image_tag(mx, args.device, containers.client(), args.wheelhouse is not None))
+            else:
+                print(containers.build(mx, args.device, rebuild=args.rebuild, wheelhouse=args.wheelhouse))
+            return 0
         if args.cmd == "publish":
             from tilepilot import history
 

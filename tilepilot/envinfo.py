@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import json
+import os
 import platform
 import shutil
 import subprocess
@@ -23,6 +25,9 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
 
 
 def git() -> dict[str, Any]:
+    # In a container the host says which commit its mounted source is (the image has no say in it).
+    if os.environ.get("TILEPILOT_GIT"):
+        return dict(json.loads(os.environ["TILEPILOT_GIT"]))
     commit = _run(["git", "rev-parse", "HEAD"], ROOT)
     # What a run writes (results, pages, the gate) is not a change to the code being measured.
     status = _run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!results", ":!html", ":!gate"],
@@ -92,6 +97,7 @@ def capture() -> dict[str, Any]:
         "toolkit": toolkit(),
         "gpu": gpu(),
         "git": git(),
+        "image": os.environ.get("TILEPILOT_IMAGE"),  # the pinned image this ran in; None: host mode
     }
 
 

@@ -7,9 +7,11 @@ asv is driven through its own command line: `asv machine`, `asv run --environmen
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +21,29 @@ from tilepilot.errors import UserError
 ROOT = record.ROOT
 CONF = ROOT / "asv.conf.json"
 ASV_RESULTS = record.RESULTS / "asv"
-HTML = ROOT / "html"
+HTML = Path(os.environ.get("TILEPILOT_HTML", ROOT / "html"))
+
+
+def _conf(tmp: Path) -> Path:
+    """asv.conf.json with every path absolute and every write outside the source tree, which a
+    container mounts read-only: results where TILEPILOT_RESULTS says, environments in a temp dir."""
+    from asv.util import load_json
+
+    conf = load_json(str(CONF), js_comments=True)
+    conf.update(repo=str(ROOT), results_dir=str(ASV_RESULTS), html_dir=str(HTML), env_dir=str(tmp / "env"),
+                benchmark_dir=str(ROOT / conf.get("benchmark_dir", "benchmarks")))  # fmt: skip
+    path = tmp / "asv.conf.json"
+    path.write_text(json.dumps(conf), encoding="utf-8")
+    return path
 
 
 def asv(*args: str, env: dict[str, str] | None = None) -> int:
-    cmd = [sys.executable, "-m", "asv", *args, "--config", str(CONF)]
-    return subprocess.call(cmd, cwd=ROOT, env=env)
+    with tempfile.TemporaryDirectory(prefix="tilepilot-asv-") as tmp:
+        cmd = [sys.executable, "-m", "asv", *args, "--config", str(_conf(Path(tmp)))]
+        return subprocess.call(cmd, cwd=ROOT, env=env)
 
 
 def run(machine: str, commit: str, capture: dict[str, Any], env: dict[str, str]) -> int:
-    import os
-
     gpu = capture["gpu"]
     # asv drops PYTHONPATH from benchmark processes unless it comes as ASV_PYTHONPATH.
     if env.get("PYTHONPATH"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -10,7 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError,
 
 from tilepilot.errors import UserError
 
-DEFAULT_PATH = Path(__file__).resolve().parent.parent / "matrix.toml"
+# TILEPILOT_MATRIX: another matrix for every step and subprocess of a run (`tilepilot --matrix` sets it).
+DEFAULT_PATH = Path(os.environ.get("TILEPILOT_MATRIX", Path(__file__).resolve().parent.parent / "matrix.toml"))
 Dtype = Literal["float16", "bfloat16"]
 Metric = Literal["correctness", "compile", "warm", "model", "memory"]
 
@@ -37,20 +39,29 @@ class Target(_Strict):
 
 class Device(_Strict):
     name: str
-    vendor: Literal["nvidia", "amd"]
+    vendor: Literal["nvidia", "amd", "cpu"]  # cpu: a smoke device that proves the container path
     arch: str
     gpu_names: list[str]
     compute_capability: str
-    tilelang_target: Target
+    tilelang_target: Target | None = None
     base_image: str
     base_digest: Annotated[str, Field(pattern=r"^(sha256:[0-9a-f]{64}|unpinned)$")]
-    toolkit: Literal["cuda", "rocm"]
+    toolkit: Literal["cuda", "rocm", "none"]
     toolkit_version: str
     min_driver: str
     python: Annotated[str, Field(pattern=r"^3\.\d+$")]
     torch: str
-    torch_index: str
+    torch_index: str = ""  # empty: PyPI
     tilelang: str
+
+    @model_validator(mode="after")
+    def _toolkit(self) -> Device:
+        want = {"nvidia": "cuda", "amd": "rocm", "cpu": "none"}[self.vendor]
+        if self.toolkit != want:
+            raise ValueError(f"vendor {self.vendor} needs toolkit {want!r}, not {self.toolkit!r}")
+        if self.vendor != "cpu" and self.tilelang_target is None:
+            raise ValueError(f"a {self.vendor} device needs a tilelang_target")
+        return self
 
 
 class Tolerance(_Strict):

@@ -233,12 +233,17 @@ def step_measure(run: Run) -> int:
 
 
 def pilot(device: str, *, host: bool, pattern: str | None = None, workers: int | None = None, trials: int = 3,
-          matrix_path: Path | None = None, publish: bool = True, cold: str = "changed") -> int:  # fmt: skip
+          matrix_path: Path | None = None, publish: bool = True, cold: str = "changed", rebuild: bool = False,
+          wheelhouse: Path | None = None) -> int:  # fmt: skip
     mx = matrix.load(matrix_path or matrix.DEFAULT_PATH)
     dev = mx.device(device)
-    if not host:
-        raise UserError("container mode is not available yet (issue #4); run in host mode: nox -s pilot-"
-                        f"{device} -- --host")  # fmt: skip
+    if not host:  # the same pilot, inside the device's pinned image (built or reused first)
+        from tilepilot import containers
+
+        tag = containers.build(mx, device, rebuild=rebuild, wheelhouse=wheelhouse)
+        args = [*(["--cases", pattern] if pattern else []), *(["--workers", str(workers)] if workers else []),
+                "--trials", str(trials), "--cold", cold, *([] if publish else ["--no-publish"])]  # fmt: skip
+        return containers.run(mx, device, tag, args, matrix_path or matrix.DEFAULT_PATH)
     env = envinfo.capture()
     gpu_dev = envinfo.device_of_gpu(env["gpu"])
     sel = cases.expand(mx, pattern)
