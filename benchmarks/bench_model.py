@@ -11,41 +11,41 @@ class TrackModel(_Measured):
     op = "model"
     params = [model_ids()]
 
-    def _samples(self, data: dict[str, Any], case: str, side: str) -> Any:
+    def _samples(self, data: str, case: str, side: str) -> Any:
         samples = self._get(data, case, side, "samples_ms")
         return math.nan if samples is math.nan else {"samples": samples, "number": 1}
 
-    def track_framework_ms(self, data: dict[str, Any], case: str) -> Any:
+    def track_framework_ms(self, data: str, case: str) -> Any:
         return self._samples(data, case, "framework")
 
     track_framework_ms.unit = "ms"  # type: ignore[attr-defined]
 
-    def track_shipped_ms(self, data: dict[str, Any], case: str) -> Any:
+    def track_shipped_ms(self, data: str, case: str) -> Any:
         return self._samples(data, case, "shipped")
 
     track_shipped_ms.unit = "ms"  # type: ignore[attr-defined]
 
-    def track_tilelang_ms(self, data: dict[str, Any], case: str) -> Any:
+    def track_tilelang_ms(self, data: str, case: str) -> Any:
         return self._samples(data, case, "tilelang")
 
     track_tilelang_ms.unit = "ms"  # type: ignore[attr-defined]
 
-    def track_speedup_shipped(self, data: dict[str, Any], case: str) -> float:
+    def track_speedup_shipped(self, data: str, case: str) -> float:
         return float(self._get(data, case, "", "speedup_shipped"))
 
     track_speedup_shipped.unit = "x"  # type: ignore[attr-defined]
 
-    def track_speedup_tilelang(self, data: dict[str, Any], case: str) -> float:
+    def track_speedup_tilelang(self, data: str, case: str) -> float:
         return float(self._get(data, case, "", "speedup_tilelang"))
 
     track_speedup_tilelang.unit = "x"  # type: ignore[attr-defined]
 
-    def track_shipped_peak_mib(self, data: dict[str, Any], case: str) -> float:
+    def track_shipped_peak_mib(self, data: str, case: str) -> float:
         return float(self._get(data, case, "shipped", "peak_mib"))
 
     track_shipped_peak_mib.unit = "MiB"  # type: ignore[attr-defined]
 
-    def track_shipped_rel_error(self, data: dict[str, Any], case: str) -> float:
+    def track_shipped_rel_error(self, data: str, case: str) -> float:
         return float(self._get(data, case, "shipped", "rel_fro"))
 
     track_shipped_rel_error.unit = "rel. Frobenius error"  # type: ignore[attr-defined]

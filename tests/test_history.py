@@ -161,3 +161,13 @@ def test_model_output_beyond_tolerance_fails(copy: Path, tmp_path: Path) -> None
     assert dev["model"]["shapes"]["model/llama-block-t4096/float16"].startswith(
         "FAIL output: shipped rel. error 5.00e-01"
     )
+
+
+def test_asv_discovers_and_checks_every_suite(tmp_path: Path) -> None:
+    """asv's own discovery and signature check over benchmarks/ (gemm, attention, model suites)."""
+    from tilepilot import history
+
+    conf = history._conf(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "asv", "check", "--python=same", "--config", str(conf)],
+                       capture_output=True, text=True, cwd=ROOT, check=False)  # fmt: skip
+    assert r.returncode == 0 and "No problems found" in r.stdout, r.stdout + r.stderr

@@ -32,8 +32,8 @@ class Policy:
     # A power-capped GPU moves its clock within milliseconds: a window of a few ms catches it boosted
     # or braked at random. Warm up to the clock the load settles at, and sample at least this long.
     min_time_s: float = 0.1  # GPU time summed over the samples
-    warmup_s: float = 0.15  # GPU-busy warm-up before the first sample
-    budget_s: float = 0.6  # per function, wall time spent sampling (the pilot must fit one 10-minute call)
+    warmup_s: float = 0.1  # GPU-busy warm-up before the first sample
+    budget_s: float = 0.4  # per function, wall time spent sampling (a warm pilot must stay within 3 minutes)
     batch: int = 10  # first batch; batches then double, so clock reads stay few
     max_hold_s: float = 0.05  # the longest the GPU is held back so that the host can queue a batch
 
