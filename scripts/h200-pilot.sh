@@ -18,6 +18,8 @@ for run in cold warm; do
   timeout "$left" python3 -m nox --no-venv -s pilot-sm90 -- --host "$@" 2>&1 | grep -v 'tilelang.jit.kernel:INFO' | tee "$OUT/pilot-$run.log"
   rc=${PIPESTATUS[0]}
   echo "pilot $run rc=$rc wall=$(( $(date +%s) - s ))s" | tee -a "$OUT/pilot-$run.log"
+  # Packed after every run: a call cut short still brings back what finished.
+  tar -czf "$OUT/results.tgz" results/records results/asv $(ls -d results/repro 2>/dev/null) html
   [ "$rc" -eq 0 ] || break
 done
 # The reproducer's GPU path (minimizing a wrong-values kernel by running it), when time is left.
@@ -25,5 +27,5 @@ left=$(( limit - ($(date +%s) - t0) ))
 if [ "${GPU_TESTS:-1}" = 1 ] && [ "$left" -gt 90 ]; then
   timeout "$left" python3 -m pytest -q -p no:cacheprovider tests/test_repro.py tests/test_model.py 2>&1 | tail -15 | tee "$OUT/gpu-tests.log"
 fi
-tar -czf "$OUT/results.tgz" results/records results/asv results/repro html 2>/dev/null || tar -czf "$OUT/results.tgz" results
+tar -czf "$OUT/results.tgz" results/records results/asv $(ls -d results/repro 2>/dev/null) html
 exit "$rc"
