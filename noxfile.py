@@ -3,6 +3,7 @@
 nox -s pilot-sm90            # build, correctness, measure (asv), publish; host mode without Docker
 nox -s tests                 # the test suite, in its own pinned virtualenv
 nox -s lint | publish | gate
+nox -s submit -- --engine slurm [--devices sm90,sm80]   # one job per device, then merge + gate
 """
 
 from __future__ import annotations
@@ -83,6 +84,19 @@ for _dev in _devices():
 def publish(session: nox.Session) -> None:
     """asv publish: static regression pages per device into html/."""
     _tilepilot(session, "publish")
+
+
+@nox.session(venv_backend="none")
+def submit(session: nox.Session) -> None:
+    """The device matrix on a cluster: -- --engine slurm [--devices sm90,sm80]; one job per device + the gate."""
+    _tilepilot(session, "matrix", "check")
+    _tilepilot(session, "submit", *(session.posargs or ["--engine", "slurm"]))
+
+
+@nox.session(venv_backend="none")
+def status(session: nox.Session) -> None:
+    """The state of each device's job in the newest (or -- --submission ID) submission."""
+    _tilepilot(session, "status", *session.posargs)
 
 
 @nox.session(venv_backend="none")

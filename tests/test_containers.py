@@ -168,8 +168,12 @@ def test_build_reuse_labels_and_the_pilot_inside(smoke: dict[str, Path]) -> None
         assert (rdir / name).stat().st_uid == os.getuid()
     rec = json.loads((rdir / "run.json").read_text())
     assert rec["env"]["image"] == tag and rec["env"]["python"].startswith("3.11.")
-    assert rec["env"]["git"]["commit"] == subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                                         cwd=ROOT).stdout.strip()  # fmt: skip
+    # The host's checkout, as the host sees it: HEAD, and the code commit the results are filed under.
+    from tilepilot import gate
+
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    assert rec["env"]["git"]["head"] == head and rec["env"]["git"]["commit"] == gate.code_commit("HEAD")
+    assert rdir.parent.name == gate.code_commit("HEAD")
     corr = json.loads((rdir / "correctness.json").read_text())
     assert {c["status"] for c in corr["cases"]} == {"skipped"}  # no GPU in there: skipped, never passed
     assert any(v["outcome"] == "passed" for k, v in corr["tests"].items() if "test_fallback.py" in k)

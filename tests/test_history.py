@@ -50,7 +50,7 @@ def test_gate_on_the_h200_run(tmp_path: Path) -> None:
     r = tilepilot("gate", "--commit", MEASURED, "--out", str(tmp_path))
     verdict = json.loads((tmp_path / "gate.json").read_text())
     assert r.returncode == (0 if verdict["pass"] else 1), r.stderr
-    (dev,) = verdict["devices"]
+    (dev,) = [d for d in verdict["devices"] if d["required"]]
     assert dev["machine"] == MACHINE and dev["commit"] == MEASURED
     gemm, attn = dev["operators"]["gemm"], dev["operators"]["attention"]
     # At this commit the config shipped TileLang at 8192^3, measured 0.91-0.95x torch.matmul: the
@@ -131,7 +131,7 @@ MODEL_RUN = "b65aa9e1bcc90a5c95e438268089bd97e4aaf44c"  # the first H200 run wit
 
 def test_gate_judges_the_model_block_and_the_fallback_tests(tmp_path: Path) -> None:
     r = tilepilot("gate", "--commit", MODEL_RUN, "--out", str(tmp_path))
-    (dev,) = json.loads((tmp_path / "gate.json").read_text())["devices"]
+    (dev,) = [d for d in json.loads((tmp_path / "gate.json").read_text())["devices"] if d["required"]]
     assert dev["model"]["status"] == "PASS" and len(dev["model"]["shapes"]) == 4, dev["model"]
     assert all(v.startswith("shipped") for v in dev["model"]["shapes"].values())
     # The forced-fallback tests ran through the public API on the GPU in that run.
@@ -145,7 +145,7 @@ def test_a_run_that_reported_failure_fails_the_gate(copy: Path, tmp_path: Path) 
     (rdir / "run.json").write_text(json.dumps({**run, "failed": True}))
     r = tilepilot("gate", "--commit", MODEL_RUN, "--out", str(tmp_path), results=copy)
     assert r.returncode == 1
-    (dev,) = json.loads((tmp_path / "gate.json").read_text())["devices"]
+    (dev,) = [d for d in json.loads((tmp_path / "gate.json").read_text())["devices"] if d["required"]]
     assert any(p.startswith("run: the pilot itself reported failure") for p in dev["operators"]["gemm"]["problems"])
 
 
@@ -157,7 +157,7 @@ def test_model_output_beyond_tolerance_fails(copy: Path, tmp_path: Path) -> None
     (rdir / "model.json").write_text(json.dumps(data))
     r = tilepilot("gate", "--commit", MODEL_RUN, "--out", str(tmp_path), results=copy)
     assert r.returncode == 1
-    (dev,) = json.loads((tmp_path / "gate.json").read_text())["devices"]
+    (dev,) = [d for d in json.loads((tmp_path / "gate.json").read_text())["devices"] if d["required"]]
     assert dev["model"]["shapes"]["model/llama-block-t4096/float16"].startswith(
         "FAIL output: shipped rel. error 5.00e-01"
     )
@@ -171,3 +171,12 @@ def test_asv_discovers_and_checks_every_suite(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "asv", "check", "--python=same", "--config", str(conf)],
                        capture_output=True, text=True, cwd=ROOT, check=False)  # fmt: skip
     assert r.returncode == 0 and "No problems found" in r.stdout, r.stdout + r.stderr
+
+
+def test_benchmark_modules_import_neither_torch_nor_tilelang() -> None:
+    """asv's forkserver imports the suites once and forks every track call from that process; with
+    torch in it each of the ~700 calls cost about 25 ms more (measured: 17 s -> 36 s here)."""
+    code = ("import sys; import benchmarks.bench_gemm, benchmarks.bench_attention, benchmarks.bench_model; "
+            "print(sorted(m for m in ('torch', 'tilelang', 'kernels') if m in sys.modules))")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert r.stdout.strip() == "[]", r.stdout

@@ -53,6 +53,10 @@ BAD = [
     ("missing field", lambda t: t.replace('torch = "2.11.0"\n', "", 1), r"devices\.sm90\.torch: required key is missing"),
     ("not toml", lambda t: t + "\n[[[", r"not valid TOML"),
     ("schema", lambda t: t.replace("schema = 1", "schema = 2"), r"schema: .*got 2"),
+    ("slurm time", lambda t: t.replace('time = "00:30:00"', 'time = "half an hour"', 1), r"devices\.sm90\.slurm\.time: "),
+    ("slurm runtime", lambda t: t.replace('runtime = "host"', 'runtime = "docker"', 1), r"devices\.sm90\.slurm\.runtime: .*'docker'"),
+    ("apptainer image", lambda t: t.replace('runtime = "host"', 'runtime = "apptainer"', 1), r"devices\.sm90\.slurm: .*needs image"),
+    ("runner label", lambda t: t.replace('"x64", "sm90"]', '"x64", "sm 90"]', 1), r"devices\.sm90\.github\.labels\.2: "),
     ("gqa", lambda t: t.replace("kv_heads = 8\nseq_q = 4096", "kv_heads = 7\nseq_q = 4096", 1), r"multiple of kv_heads"),
 ]  # fmt: skip
 

@@ -64,3 +64,8 @@ def expand(matrix: Matrix, pattern: str | None = None) -> list[Case]:
     if pattern:
         out = [c for c in out if any(fnmatch.fnmatch(c.id, p) for p in pattern.split(","))]
     return out
+
+
+def model_ids(matrix: Matrix) -> list[str]:
+    """The model-level block's case ids (here, not in tilepilot.model, so listing them needs no torch)."""
+    return [f"model/llama-block-t{t}/{d}" for t in matrix.model.tokens for d in matrix.model.dtypes]

@@ -1,4 +1,5 @@
-"""The `tilepilot` command: matrix check, env, cases, pilot, publish, gate.
+"""The `tilepilot` command: matrix check, env, cases, pilot, image, publish, gate; submit, status,
+collect and merge for a cluster; ci render for GitHub Actions.
 
 Every command validates matrix.toml first; a UserError becomes one line and exit status 2.
 """
@@ -41,6 +42,31 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--rebuild", action="store_true")
     i.add_argument("--wheelhouse", type=Path, default=None, help="resolve (lock) or install (build) from DIR")
     sub.add_parser("publish", help="asv publish into html/")
+    sm = sub.add_parser("submit", help="the device matrix on a cluster: one pilot job per device, then merge + gate")
+    sm.add_argument("--engine", choices=["slurm"], required=True)
+    sm.add_argument(
+        "--devices", default=None, help="comma-separated device ids (default: every device with a slurm table)"
+    )
+    sm.add_argument("--cases", default=None, help="passed to each pilot: fnmatch globs over case ids")
+    sm.add_argument(
+        "--workdir", type=Path, default=None, help="where job scripts, logs and staging trees go (default: jobs/)"
+    )
+    sm.add_argument("--gate-partition", default="", help="partition of the merge/gate job (default: the cluster's)")
+    sm.add_argument("--on-duplicate", choices=["refuse", "keep-both"], default="refuse",
+                    help="when a machine's results of the commit are already in the history")  # fmt: skip
+    st = sub.add_parser("status", help="the state of each device's job in a submission")
+    st.add_argument("--submission", default=None, help="its id or folder (default: the newest)")
+    st.add_argument("--workdir", type=Path, default=None)
+    co = sub.add_parser("collect", help="(the gate job) final job states, merge, publish, gate")
+    co.add_argument("--submission", required=True)
+    mg = sub.add_parser("merge", help="merge results trees (job staging folders, CI artifacts) into the history")
+    mg.add_argument("sources", nargs="*", type=Path)
+    mg.add_argument("--into", type=Path, default=None, help="the history to merge into (default: results/)")
+    mg.add_argument("--on-duplicate", choices=["refuse", "keep-both"], default="refuse",
+                    help="a second result of the same machine, commit and case: stop (default) or keep both runs' samples")  # fmt: skip
+    ci = sub.add_parser("ci", help="GitHub Actions: render .github/workflows/pilot.yml from matrix.toml")
+    ci.add_argument("action", choices=["render"])
+    ci.add_argument("--out", type=Path, default=None, help="default: .github/workflows/pilot.yml")
     g = sub.add_parser("gate", help="the release gate for a commit")
     g.add_argument("--commit", default="HEAD")
     g.add_argument("--out", type=Path, default=None, help="where gate.json and gate.md go (default: gate/)")
@@ -91,6 +117,42 @@ def main(argv: list[str] | None = None) -> int:
             from tilepilot import history
 
             return history.publish()
+        if args.cmd == "submit":
+            from tilepilot import slurm
+
+            devices = args.devices.split(",") if args.devices else [d for d, r in mx.devices.items() if r.slurm]
+            if not devices:
+                raise UserError(f"{args.matrix}: no device has a [devices.<id>.slurm] table to submit")
+            sub = slurm.submit(mx, devices, args.matrix.resolve(), workdir=args.workdir or slurm.WORKDIR,
+                               pilot_args=["--cases", args.cases] if args.cases else [],
+                               gate_partition=args.gate_partition, on_duplicate=args.on_duplicate)  # fmt: skip
+            for d, j in sub["devices"].items():
+                print(f"tilepilot: {d}: slurm job {j['job']} ({j['script']})")
+            print(f"tilepilot: merge, publish, gate: slurm job {sub['gate']['job']} (afterany); "
+                  f"`tilepilot status --submission {sub['id']}` shows them")  # fmt: skip
+            return 0
+        if args.cmd == "status":
+            from tilepilot import slurm
+
+            return slurm.status(args.submission, args.workdir or slurm.WORKDIR)
+        if args.cmd == "collect":
+            from tilepilot import slurm
+
+            return slurm.collect(args.submission)
+        if args.cmd == "merge":
+            from tilepilot import merge, record
+
+            into = args.into or record.RESULTS
+            if not args.sources:
+                print("tilepilot: merge: no sources given, nothing to merge")
+                return 0
+            print(merge.report(merge.merge(args.sources, into, args.on_duplicate), into))
+            return 0
+        if args.cmd == "ci":
+            from tilepilot import ci
+
+            print(f"tilepilot: wrote {', '.join(map(str, ci.write(mx, args.out or ci.WORKFLOW)))}")
+            return 0
         if args.cmd == "gate":
             from tilepilot import gate
 

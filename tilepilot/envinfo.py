@@ -24,16 +24,23 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+# The code a result is valid for: commits that touch only results, docs or the gate don't change it.
+CODE_PATHSPEC = [".", ":!results", ":!docs", ":!gate", ":!*.md"]
+
+
 def git() -> dict[str, Any]:
     # In a container the host says which commit its mounted source is (the image has no say in it).
     if os.environ.get("TILEPILOT_GIT"):
         return dict(json.loads(os.environ["TILEPILOT_GIT"]))
-    commit = _run(["git", "rev-parse", "HEAD"], ROOT)
+    head = _run(["git", "rev-parse", "HEAD"], ROOT)
+    # Results are filed under the code commit, which is what the gate looks for: a pilot run at a
+    # docs-only commit counts for the code it measured.
+    commit = _run(["git", "log", "-1", "--format=%H", "HEAD", "--", *CODE_PATHSPEC], ROOT) or head
     # What a run writes (results, pages, the gate) is not a change to the code being measured.
     status = _run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!results", ":!html", ":!gate"],
                   ROOT)  # fmt: skip
     date = _run(["git", "log", "-1", "--format=%cI"], ROOT)
-    return {"commit": commit, "dirty": bool(status) if status is not None else None, "date": date}
+    return {"commit": commit, "head": head, "dirty": bool(status) if status is not None else None, "date": date}
 
 
 def toolkit() -> dict[str, Any]:

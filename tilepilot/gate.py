@@ -6,23 +6,24 @@ A device with no GPU run for the commit is MISSING (or COMPILE-ONLY); a skip is 
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
 
 from tabulate import tabulate
 
-from tilepilot import cases, matrix, record
+from tilepilot import cases, envinfo, matrix, record
 from tilepilot.errors import UserError
 
 ROOT = record.ROOT
-OUT = ROOT / "gate"
+OUT = Path(os.environ.get("TILEPILOT_GATE", ROOT / "gate"))  # where gate.json and gate.md go
 PASS, FAIL, MISSING, COMPILE_ONLY = "PASS", "FAIL", "MISSING", "COMPILE-ONLY"
 
 
 def code_commit(rev: str = "HEAD") -> str:
     """The last commit at or before `rev` that changed code: result and doc commits don't count."""
-    out = subprocess.run(["git", "log", "-1", "--format=%H", rev, "--", ".", ":!results", ":!docs", ":!gate", ":!*.md"],
+    out = subprocess.run(["git", "log", "-1", "--format=%H", rev, "--", *envinfo.CODE_PATHSPEC],
                          cwd=ROOT, capture_output=True, text=True, check=False)  # fmt: skip
     if out.returncode != 0 or not out.stdout.strip():
         raise UserError(f"git: cannot resolve commit {rev!r} in {ROOT}: {out.stderr.strip() or 'no such commit'}")
@@ -107,6 +108,11 @@ def check_device(mx: matrix.Matrix, device: str, commit: str) -> dict[str, Any]:
         compile_only = record.runs_for(f"{device}-compile-only", commit)
         status = COMPILE_ONLY if compile_only else MISSING
         why = "compile-only run, no GPU results" if compile_only else "no run of this commit on a GPU of this device"
+        from tilepilot import slurm
+
+        jobs = slurm.job_outcomes(device, commit)
+        if jobs:  # a job that failed, timed out or was cancelled says so, with Slurm's reason
+            why += "; " + jobs[0]
         verdict.update(status=status, why=why)
         for op in mx.pilot.operators:
             verdict["operators"][op] = {"status": status, "why": why}
@@ -229,12 +235,15 @@ def _fallback(d: dict[str, Any]) -> str:
 def gate(rev: str = "HEAD", matrix_path: Path | None = None, out_dir: Path = OUT) -> int:
     mx = matrix.load(matrix_path or matrix.DEFAULT_PATH)
     commit = code_commit(rev)
-    devices = [check_device(mx, d, commit) for d in mx.gate.required]
-    ok = all(d["status"] == PASS for d in devices)
+    # The whole device matrix is shown; only the required devices decide.
+    devices = [{**check_device(mx, d, commit), "required": d in mx.gate.required} for d in mx.devices]
+    ok = all(d["status"] == PASS for d in devices if d["required"])
     ops = list(mx.pilot.operators)
-    table = [[d["device"], d.get("machine", "-"), *(d["operators"][op]["status"] for op in ops),
-              d.get("model", {}).get("status", d["status"]), _fallback(d)] for d in devices]  # fmt: skip
-    text = tabulate(table, headers=["device", "machine", *ops, "model", "fallback tested"], tablefmt="github")
+    table = [[d["device"], "yes" if d["required"] else "no", d.get("machine", "-"),
+              *(d["operators"][op]["status"] for op in ops), d.get("model", {}).get("status", d["status"]),
+              _fallback(d)] for d in devices]  # fmt: skip
+    text = tabulate(table, headers=["device", "required", "machine", *ops, "model", "fallback tested"],
+                    tablefmt="github")  # fmt: skip
     lines = [f"# Release gate: {'PASS' if ok else 'FAIL'}", "", f"code commit `{commit}`", "", text, ""]
     for d in devices:
         for op in ops:

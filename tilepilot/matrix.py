@@ -37,6 +37,35 @@ class Target(_Strict):
     arch: str
 
 
+class Slurm(_Strict):
+    """How `tilepilot submit --engine slurm` asks a site's scheduler for a node with this device."""
+
+    partition: str
+    gres: str = ""  # e.g. "gpu:h100:1"; empty for a node that has the device without gres
+    constraint: str = ""
+    time: Annotated[str, Field(pattern=r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")] = "01:00:00"
+    account: str = ""
+    cpus: PositiveInt | None = None
+    # host: the node's own environment; apptainer: `apptainer exec --nv|--rocm IMAGE` (a .sif built from
+    # the pinned Dockerfile); pyxis: `srun --container-image IMAGE` (enroot).
+    runtime: Literal["host", "apptainer", "pyxis"] = "host"
+    image: str = ""
+    setup: list[str] = []  # shell lines before the pilot, e.g. "module load cuda/13.0"
+
+    @model_validator(mode="after")
+    def _image(self) -> Slurm:
+        if self.runtime != "host" and not self.image:
+            raise ValueError(f"runtime {self.runtime!r} needs image (the .sif path or the enroot image)")
+        return self
+
+
+class GitHub(_Strict):
+    """The self-hosted runner that `tilepilot ci render` sends this device's pilot job to."""
+
+    labels: Annotated[list[Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]+$")]], Field(min_length=1)]
+    timeout_minutes: PositiveInt = 60
+
+
 class Device(_Strict):
     name: str
     vendor: Literal["nvidia", "amd", "cpu"]  # cpu: a smoke device that proves the container path
@@ -53,6 +82,8 @@ class Device(_Strict):
     torch: str
     torch_index: str = ""  # empty: PyPI
     tilelang: str
+    slurm: Slurm | None = None
+    github: GitHub | None = None
 
     @model_validator(mode="after")
     def _toolkit(self) -> Device:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from tilepilot.cases import Case
+from tilepilot.cases import Case, model_ids
 from tilepilot.matrix import Dtype, Matrix, Model
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -168,7 +168,7 @@ def evaluate(cfg: Model, tokens: int, dtype: Dtype, device: str) -> dict[str, An
 
 
 def case_ids(mx: Matrix) -> list[str]:
-    return [f"model/llama-block-t{t}/{d}" for t in mx.model.tokens for d in mx.model.dtypes]
+    return model_ids(mx)
 
 
 def measure_model(

@@ -1,0 +1,181 @@
+"""The device matrix on a real Slurm cluster (one node on 127.0.0.1: scripts/slurm-local.sh), through
+the same code path as a site: `tilepilot submit --engine slurm` queues the CPU smoke device's pilot
+(compile-only), a device whose job fails in its setup, and the dependent merge/publish/gate job.
+
+Asserted: the job ids and `tilepilot status`, the merged history (the committed H200 history kept,
+the new run added with the script that ran beside it), the published pages, and the gate's verdicts:
+the compile-only device is COMPILE-ONLY, the failed one MISSING with Slurm's reason; neither passes.
+Where no cluster answers, these skip; CI starts one and sets TILEPILOT_REQUIRE_SLURM=1, so they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_containers import smoke_matrix
+
+ROOT = Path(__file__).resolve().parent.parent
+SLURM_TABLES = """
+[devices.cpu.slurm]
+partition = "debug"
+time = "00:15:00"
+cpus = 1
+
+[devices.cpufail]
+name = "a device whose node is broken"
+vendor = "cpu"
+arch = "x86_64"
+gpu_names = []
+compute_capability = "none"
+base_image = "localbase/debian:bookworm"
+base_digest = "unpinned"
+toolkit = "none"
+toolkit_version = "none"
+min_driver = "none"
+python = "3.11"
+torch = "2.13.0"
+tilelang = "0.1.15"
+
+[devices.cpufail.slurm]
+partition = "debug"
+time = "00:05:00"
+cpus = 1
+setup = ["echo 'module: cuda/99.0 not found' >&2", "exit 3"]
+"""
+
+
+def _cluster() -> str | None:
+    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
+        return "no Slurm client here (slurm-client)"
+    r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=30, check=False)
+    if r.returncode != 0 or not r.stdout.strip():
+        return f"no Slurm controller answers ({(r.stderr.strip().splitlines() or ['no nodes'])[-1]})"
+    return None
+
+
+@pytest.fixture(scope="module")
+def cluster() -> None:
+    why = _cluster()
+    if why is not None:
+        if os.environ.get("TILEPILOT_REQUIRE_SLURM") == "1":
+            pytest.fail(f"{why}; CI must start the one-node cluster (scripts/slurm-local.sh start)")
+        pytest.skip(why)
+
+
+def _matrix(tmp: Path) -> Path:
+    m = smoke_matrix(tmp / "matrix.toml")
+    text = m.read_text().replace("\n[operators.gemm]", SLURM_TABLES + "\n[operators.gemm]", 1)
+    m.write_text(text.replace('required = ["sm90"]', 'required = ["cpu", "cpufail"]'))
+    return m
+
+
+def tilepilot(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tilepilot", *args], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=300, check=False)  # fmt: skip
+
+
+def test_submit_status_merge_and_gate_on_a_one_node_cluster(cluster: None, tmp_path: Path) -> None:
+    results = tmp_path / "results"
+    shutil.copytree(ROOT / "results", results)  # the committed history: the merge must keep it
+    env = {**os.environ, "TILEPILOT_RESULTS": str(results), "TILEPILOT_JOBS": str(tmp_path / "jobs"),
+           "TILEPILOT_HTML": str(tmp_path / "html"), "TILEPILOT_CACHE": str(tmp_path / "cache"),
+           "TILEPILOT_GATE": str(tmp_path / "gate")}  # fmt: skip
+    env.pop("PYTEST_XDIST_WORKER", None)
+    m = str(_matrix(tmp_path))
+
+    r = tilepilot("--matrix", m, "submit", "--engine", "slurm", "--devices", "cpu,cpufail",
+                  "--cases", "gemm/tiny-16/float16/nt", env=env)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    (sdir,) = (tmp_path / "jobs").iterdir()
+    sub = json.loads((sdir / "submission.json").read_text())
+    jobs = {d: j["job"] for d, j in sub["devices"].items()}
+    for d, job in jobs.items():
+        assert f"{d}: slurm job {job}" in r.stdout
+    assert f"slurm job {sub['gate']['job']} (afterany)" in r.stdout
+    assert f"--dependency=afterany:{jobs['cpu']}:{jobs['cpufail']}" in (sdir / "gate.sbatch").read_text()
+
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        q = subprocess.run(["squeue", "-h", "-j", ",".join([*jobs.values(), sub["gate"]["job"]]), "-o", "%i"],
+                           capture_output=True, text=True, check=False)  # fmt: skip
+        if q.returncode == 0 and not q.stdout.strip():
+            break
+        time.sleep(2)
+    else:
+        pytest.fail("the jobs did not finish within 10 minutes")
+
+    st = tilepilot("--matrix", m, "status", env=env)
+    assert st.returncode == 0, st.stderr
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
+            for line in st.stdout.splitlines() if line.startswith("| ") and "device" not in line}  # fmt: skip
+    assert rows["cpu"][1:3] == [jobs["cpu"], "COMPLETED"], st.stdout
+    assert rows["cpufail"][1:3] == [jobs["cpufail"], "FAILED"] and rows["cpufail"][4] == "3:0", st.stdout
+    # The gate job ran to the end and failed the release: neither device passes.
+    assert rows["(merge, publish, gate)"][2] == "FAILED" and rows["(merge, publish, gate)"][4] == "1:0", st.stdout
+    gate_log = (sdir / f"slurm-{sub['gate']['job']}.out").read_text()
+    assert "tilepilot: gate FAIL" in gate_log, gate_log[-3000:]
+
+    # The merged history: what was there is still there, the smoke run is added with its job's script.
+    for sub_tree in ("records/sm90-h200", "asv/sm90-h200"):
+        from tilepilot import merge
+
+        assert merge._same_tree(results / sub_tree, ROOT / "results" / sub_tree), sub_tree
+    (run,) = (results / "records" / "cpu-compile-only").glob("*/*")
+    assert run.parent.name == sub["commit"]
+    assert json.loads((run / "run.json").read_text())["complete"] is True
+    assert (run / "job.sbatch").read_text() == (sdir / "cpu" / "job.sbatch").read_text()
+    assert json.loads((run / "job.json").read_text())["state"] == "COMPLETED"
+    assert (run / "slurm.out").exists()
+    assert (
+        json.loads((results / "submissions" / f"{sub['id']}.json").read_text())["devices"]["cpufail"]["final"]["state"]
+        == "FAILED"
+    )
+    assert (tmp_path / "html" / "index.html").exists()
+
+    verdicts = {d["device"]: d for d in json.loads((tmp_path / "gate" / "gate.json").read_text())["devices"]}
+    assert verdicts["cpu"]["status"] == "COMPILE-ONLY"
+    assert verdicts["cpufail"]["status"] == "MISSING"
+    assert (
+        f"slurm job {jobs['cpufail']} of submission {sub['id']}: FAILED (NonZeroExitCode, exit 3:0)"
+        in verdicts["cpufail"]["why"]
+    )
+    assert verdicts["sm90"]["required"] is False  # shown in the matrix, not deciding
+
+
+def test_submit_and_status_errors_are_one_line(tmp_path: Path) -> None:
+    """No Slurm table, no sbatch, no submission: one line naming the key or the thing, exit 2."""
+    env = {**os.environ, "TILEPILOT_JOBS": str(tmp_path / "jobs"), "PATH": "/nonexistent"}
+    m = str(smoke_matrix(tmp_path / "matrix.toml"))  # the cpu smoke device has no slurm table
+    checks = [
+        (["--matrix", m, "submit", "--engine", "slurm", "--devices", "cpu"], "devices.cpu.slurm: missing"),
+        (["submit", "--engine", "slurm", "--devices", "sm99"], "unknown device 'sm99'"),
+        (["submit", "--engine", "slurm", "--devices", "sm90"], "sbatch: not found on PATH"),
+        (["status"], "no submissions; run `tilepilot submit --engine slurm` first"),
+    ]
+    for args, want in checks:
+        r = tilepilot(*args, env=env)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and want in r.stderr, (args, r.stderr)
+    assert not any((tmp_path / "jobs").glob("*")), "a submission that queued nothing leaves no folder"
+
+
+def test_a_job_sbatch_refuses_cancels_the_ones_already_queued(cluster: None, tmp_path: Path) -> None:
+    env = {**os.environ, "TILEPILOT_JOBS": str(tmp_path / "jobs"), "TILEPILOT_RESULTS": str(tmp_path / "results")}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    m = _matrix(tmp_path)
+    m.write_text(
+        m.read_text().replace('partition = "debug"\ntime = "00:05:00"', 'partition = "nope"\ntime = "00:05:00"')
+    )
+    r = tilepilot("--matrix", str(m), "submit", "--engine", "slurm", "--devices", "cpu,cpufail", env=env)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "invalid partition" in r.stderr.lower() and "cancelled the jobs already queued: " in r.stderr, r.stderr
+    job = r.stderr.strip().rsplit(": ", 1)[1].rstrip(")")
+    q = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, check=False)
+    assert "JobState=CANCELLED" in q.stdout, q.stdout
+    assert not any((tmp_path / "jobs").glob("*"))
