@@ -77,6 +77,15 @@ for _dev in _devices():
     def _lock_session(session: nox.Session, device: str = _dev) -> None:
         _tilepilot(session, "image", "lock", "--device", device, *session.posargs)
 
+    @nox.session(name=f"tune-{_dev}", venv_backend="none")
+    def _tune_session(session: nox.Session, device: str = _dev) -> None:
+        _tilepilot(session, "matrix", "check")
+        _tilepilot(session, "tune", "--device", device, *session.posargs)
+
+    _tune_session.__doc__ = (
+        f"Autotune {_dev}'s kernels after correctness; winners into kernels/configs/tuned/{_dev}.toml."
+    )
+
     _lock_session.__doc__ = f"Write containers/locks/{_dev}.lock: the pinned, hash-locked Python stack."
 
 

@@ -27,12 +27,24 @@ class Choice:
     reason: str = ""
 
 
+TUNED_DIR = CONFIG_DIR / "tuned"
+
+
 @functools.cache
 def load(device: str) -> dict[str, Any] | None:
     path = CONFIG_DIR / f"{device}.toml"
     if not path.exists():
         return None
     return tomllib.loads(path.read_text(encoding="utf-8"))
+
+
+@functools.cache
+def load_tuned(device: str) -> dict[str, Any]:
+    """Autotuned winners (`nox -s tune-<device>` writes configs/tuned/<device>.toml): per exact case,
+    the config that beat the pinned one, re-checked for correctness. They change configs, never the
+    shipping decision, which stays with the rules."""
+    path = TUNED_DIR / f"{device}.toml"
+    return tomllib.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
 
 
 def devices() -> list[str]:
@@ -98,6 +110,10 @@ def choose(device: str, op: str, facts: dict[str, Any]) -> Choice | None:
                 framework_reason = rule.get("reason", "config prefers the framework op")
                 break
             base.update({k: v for k, v in rule.items() if k not in ("when", "note")})
+    for entry in load_tuned(device).get(op, []):
+        if _matches(entry["when"], facts):
+            base.update(entry["config"])
+            break
     forced = _forced.get()
     if forced == "framework":
         return Choice("framework", base, "kernels.use_backend('framework')")

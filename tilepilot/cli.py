@@ -42,6 +42,11 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--rebuild", action="store_true")
     i.add_argument("--wheelhouse", type=Path, default=None, help="resolve (lock) or install (build) from DIR")
     sub.add_parser("publish", help="asv publish into html/")
+    t = sub.add_parser("tune", help="autotune the representative cases whose pinned config passes correctness (GPU)")
+    t.add_argument("--device", required=True)
+    t.add_argument("--ops", default="gemm,attention", help="comma-separated operators (default: gemm,attention)")
+    t.add_argument("--cases", default=None, help="fnmatch globs over case ids")
+    t.add_argument("--budget-s", type=float, default=480.0, help="stop starting new cases after this many seconds")
     sm = sub.add_parser("submit", help="the device matrix on a cluster: one pilot job per device, then merge + gate")
     sm.add_argument("--engine", choices=["slurm"], required=True)
     sm.add_argument(
@@ -117,6 +122,14 @@ def main(argv: list[str] | None = None) -> int:
             from tilepilot import history
 
             return history.publish()
+        if args.cmd == "tune":
+            from tilepilot import tune
+
+            ops = [o for o in args.ops.split(",") if o]
+            bad = [o for o in ops if o not in mx.pilot.operators]
+            if bad:
+                raise UserError(f"--ops {bad[0]!r}: not an operator of matrix.toml ({', '.join(mx.pilot.operators)})")
+            return tune.tune(args.device, ops, args.cases, args.budget_s, args.matrix)
         if args.cmd == "submit":
             from tilepilot import slurm
 

@@ -220,7 +220,7 @@ def _plan_asv(src: Path, into: Path, plan: Plan) -> None:
 
 
 def _plan_files(src: Path, into: Path, sub: str, plan: Plan) -> None:
-    # Reproducers and submission states: new files are added, an existing one is kept.
+    # Reproducers, submission states, tuning records: new files are added, an existing one is kept.
     for f in sorted(p for p in (src / sub).rglob("*") if p.is_file()):
         dst = into / f.relative_to(src)
         if not dst.exists():
@@ -237,7 +237,7 @@ def plan(sources: list[Path], into: Path, policy: Policy = "refuse") -> Plan:
     for src in sources:
         if not src.is_dir():
             raise UserError(f"{src}: no such results folder to merge")
-        if not any((src / d).is_dir() for d in ("records", "asv", "repro", "submissions")):
+        if not any((src / d).is_dir() for d in ("records", "asv", "repro", "submissions", "tune")):
             if any(src.iterdir()):
                 raise UserError(f"{src}: not a tilepilot results tree (no records/, asv/ or repro/ in it)")
             out.notes.append(f"{src}: empty, nothing to merge")
@@ -248,6 +248,7 @@ def plan(sources: list[Path], into: Path, policy: Policy = "refuse") -> Plan:
         _plan_asv(src, into, out)
         _plan_files(src, into, "repro", out)
         _plan_files(src, into, "submissions", out)
+        _plan_files(src, into, "tune", out)
     if out.duplicates and policy == "refuse":
         raise UserError(f"duplicate results, nothing merged: {out.duplicates[0]}"
                         + (f" (+{len(out.duplicates) - 1} more)" if len(out.duplicates) > 1 else "")

@@ -4,6 +4,7 @@
 Layout is SDPA's: q (B, Hq, Sq, D), k and v (B, Hkv, Skv, D), Hq a multiple of Hkv.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -97,6 +98,22 @@ def program(
             T.copy(o_s, O[bz, by, bx * bm : (bx + 1) * bm, :])
 
     return main
+
+
+def tunable(
+    batch: int, heads: int, kv_heads: int, seq_q: int, seq_kv: int, head_dim: int, mask: str, dtype: str,
+    base: dict[str, Any],
+) -> Callable[..., Any]:  # fmt: skip
+    """The program as TileLang's AutoTuner takes it (see kernels.gemm.tunable)."""
+    knobs = {key: int(base[key]) for key in ("block_M", "block_N", "num_stages", "threads")}
+    causal = mask == "causal"
+
+    def fn(block_M: int = knobs["block_M"], block_N: int = knobs["block_N"], num_stages: int = knobs["num_stages"],
+           threads: int = knobs["threads"]) -> Any:  # fmt: skip
+        cfg = {"block_M": block_M, "block_N": block_N, "num_stages": num_stages, "threads": threads}
+        return program(batch, heads, kv_heads, seq_q, seq_kv, head_dim, causal, dtype, cfg)
+
+    return fn
 
 
 def facts(

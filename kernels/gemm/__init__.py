@@ -1,6 +1,7 @@
 """GEMM in TileLang: C = A·Bᵀ (``trans_b=True``, nn.Linear's layout) or C = A·B, fp32 accumulation."""
 # No `from __future__ import annotations` here: TileLang evaluates the prim_func annotations itself.
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,6 +44,21 @@ def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]
             T.copy(c_l, C[by * bm, bx * bn])
 
     return main
+
+
+def tunable(m: int, n: int, k: int, layout: str, dtype: str, base: dict[str, Any]) -> Callable[..., Any]:
+    """The program as TileLang's AutoTuner takes it: the knobs as keyword parameters (defaults: `base`),
+    and only plain values in the closure, which the tuner keys its cache by."""
+    knobs = {
+        key: int(base.get(key, 0)) for key in ("block_M", "block_N", "block_K", "num_stages", "threads", "swizzle")
+    }
+
+    def fn(block_M: int = knobs["block_M"], block_N: int = knobs["block_N"], block_K: int = knobs["block_K"],
+           num_stages: int = knobs["num_stages"], threads: int = knobs["threads"], swizzle: int = knobs["swizzle"]) -> Any:  # fmt: skip
+        return program(m, n, k, layout, dtype, {"block_M": block_M, "block_N": block_N, "block_K": block_K,
+                                                "num_stages": num_stages, "threads": threads, "swizzle": swizzle})  # fmt: skip
+
+    return fn
 
 
 def facts(m: int, n: int, k: int, layout: str, dtype: str) -> dict[str, Any]:

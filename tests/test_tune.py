@@ -1,0 +1,86 @@
+"""Autotuning's parts that run without a GPU: the search space, the programs handed to TileLang's
+AutoTuner (they compile for sm_90a here), the pinned-winners file and how the configs read it, and
+the one-line refusal to tune without the device. The search itself runs on the H200 (nox -s tune-sm90)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels import _config, operator_module
+from tilepilot import build, cases, envinfo, matrix, tune
+from tilepilot.errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _case(pattern: str) -> cases.Case:
+    (c,) = cases.expand(matrix.load(), pattern)
+    return c
+
+
+@pytest.mark.parametrize(("pattern", "n"), [("gemm/llama8b-o-t4096/float16/nt", 16),
+                                            ("attention/llama8b-s4096/bfloat16/causal", 12)])  # fmt: skip
+def test_space_is_the_tune_table_over_the_pinned_config(pattern: str, n: int) -> None:
+    c = _case(pattern)
+    pinned = build.choice(c, "sm90").config
+    space = tune.space("sm90", c.op, pinned)
+    table = _config.load("sm90")[c.op]["tune"]  # type: ignore[index]
+    assert len(space) == n and all(set(cfg) == set(pinned) for cfg in space)
+    for key in set(pinned) - set(table):  # a knob the table does not name keeps its pinned value
+        assert {cfg[key] for cfg in space} == {pinned[key]}
+    for key, values in table.items():
+        assert {cfg[key] for cfg in space} == set(values)
+
+
+def test_a_missing_tune_table_is_named() -> None:
+    with pytest.raises(UserError, match=r"kernels/configs/sm80.toml: \[gemm.tune\]: missing"):
+        tune.space("sm80", "gemm", {})
+
+
+@pytest.mark.parametrize("pattern", ["gemm/llama8b-qkv-t4096/bfloat16/nn", "attention/llama8b-s8192/float16/none"])
+def test_tunable_programs_suit_the_autotuner_and_compile_for_sm90a(pattern: str) -> None:
+    import tilelang
+
+    c = _case(pattern)
+    pinned = build.choice(c, "sm90").config
+    fn = operator_module(c.op).tunable(**build.build_args(c), base=pinned)
+    # TileLang's AutoTuner keys its cache by the closure and refuses anything but plain values in it.
+    assert all(isinstance(cell.cell_contents, (int, float, str, bool)) for cell in fn.__closure__ or ())
+    cfg = next(x for x in tune.space("sm90", c.op, pinned) if x != pinned)
+    knobs = {k: cfg[k] for k in _config.load("sm90")[c.op]["tune"]}  # type: ignore[index]
+    kernel = tilelang.compile(fn(**knobs), target=_config.target("sm90"))
+    assert "wgmma" in kernel.get_kernel_source()
+
+
+def test_pinned_winners_change_that_case_s_config_only_and_never_what_ships(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c, other = _case("gemm/square-8192/float16/nt"), _case("gemm/square-8192/bfloat16/nt")
+    before = build.choice(c, "sm90")
+    won = {**before.config, "num_stages": 4, "block_N": 128}
+    monkeypatch.setattr(_config, "TUNED_DIR", tmp_path)
+    _config.load_tuned.cache_clear()
+    entry = {"case": c.id, "when": operator_module("gemm").facts(**build.build_args(c)), "config": won,
+             "gain": 1.031, "speedup_vs_framework": 0.97, "measured": "2026-12-02, NVIDIA H200, test"}  # fmt: skip
+    path = tune.write_tuned("sm90", {"gemm": [entry]})
+    try:
+        assert path == tmp_path / "sm90.toml" and "sm90" in _config.devices() and "tuned" not in _config.devices()
+        after = build.choice(c, "sm90")
+        assert after.config == won and after.backend == before.backend == "framework"
+        assert build.choice(other, "sm90").config == build.choice(other, "sm90").config != won
+        assert build.choice(other, "sm90").config["num_stages"] == before.config["num_stages"]
+    finally:
+        monkeypatch.undo()
+        _config.load_tuned.cache_clear()
+
+
+@pytest.mark.skipif(envinfo.device_of_gpu(envinfo.capture()["gpu"]) == "sm90", reason="an sm90 GPU is here")
+def test_tune_without_the_gpu_is_one_line() -> None:
+    r = subprocess.run([sys.executable, "-m", "tilepilot", "tune", "--device", "sm90"], capture_output=True,
+                       text=True, cwd=ROOT, check=False)  # fmt: skip
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "tune needs a sm90 GPU here" in r.stderr and "cannot run compile-only" in r.stderr
