@@ -1,7 +1,6 @@
 """The model-level metric: one Llama-style decoder block on framework ops, on the shipped kernels
 (the configs deciding) and on every TileLang kernel (kernels.use_backend("tilelang"))."""
 
-import math
 from typing import Any
 
 from benchmarks._suite import _Measured, model_ids
@@ -10,10 +9,6 @@ from benchmarks._suite import _Measured, model_ids
 class TrackModel(_Measured):
     op = "model"
     params = [model_ids()]
-
-    def _samples(self, data: str, case: str, side: str) -> Any:
-        samples = self._get(data, case, side, "samples_ms")
-        return math.nan if samples is math.nan else {"samples": samples, "number": 1}
 
     def track_framework_ms(self, data: str, case: str) -> Any:
         return self._samples(data, case, "framework")

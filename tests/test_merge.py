@@ -161,3 +161,25 @@ def test_merge_command_errors_are_one_line(tmp_path: Path) -> None:
         r = subprocess.run([sys.executable, "-m", "tilepilot", *args, "--into", str(tmp_path / "h")], cwd=ROOT,
                            capture_output=True, text=True, check=False)  # fmt: skip
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and want in r.stderr, r.stderr
+
+
+def test_merged_files_keep_their_modes_and_empty_folders_are_no_runs(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    from tilepilot import record
+
+    src = _source(tmp_path / "src", COMMITS[-1:])
+    (src / "records" / MACHINE / COMMITS[0] / "20260101T000000Z").mkdir(parents=True)  # a tree's skeleton
+    into = tmp_path / "history"
+    p = merge.merge([src], into)
+    assert not p.notes and not (into / "records" / MACHINE / COMMITS[0]).exists()
+    for f in (into / "records").rglob("*"):
+        want = stat.S_IMODE((src / f.relative_to(into)).stat().st_mode)
+        assert stat.S_IMODE(f.stat().st_mode) == want, f
+    old = os.umask(0o022)
+    try:
+        written = record.write_json(tmp_path / "r.json", {"x": 1})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(written.stat().st_mode) == 0o666 & ~record._UMASK

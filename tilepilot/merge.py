@@ -72,6 +72,7 @@ def _copy_tree(src: Path, dst: Path) -> None:
     tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.merge-"))
     try:
         shutil.copytree(src, tmp, dirs_exist_ok=True)
+        shutil.copymode(src, tmp)  # mkdtemp made it private; the history is as readable as its source
         os.replace(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -93,6 +94,7 @@ def _copy_file(src: Path, dst: Path) -> None:
             shutil.copyfileobj(inp, out)
             out.flush()
             os.fsync(out.fileno())
+        shutil.copymode(src, tmp)
         os.replace(tmp, dst)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -109,8 +111,8 @@ def _tree_hash(path: Path) -> str:
 
 def _plan_records(src: Path, into: Path, plan: Plan, claimed: dict[tuple[str, str], Path]) -> None:
     for run in sorted(src.glob("records/*/*/*")):
-        if not run.is_dir() or run.name.startswith("."):
-            continue
+        if not run.is_dir() or run.name.startswith(".") or not any(run.iterdir()):
+            continue  # an empty folder is no run (a copied tree's skeleton), not even a partial one
         machine, commit = run.parent.parent.name, run.parent.name
         dst = into / "records" / machine / commit / run.name
         rel = f"records/{machine}/{commit[:12]}/{run.name}"

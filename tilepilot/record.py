@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(os.environ.get("TILEPILOT_RESULTS", ROOT / "results"))
 RECORDS = RESULTS / "records"
 SCHEMA = 1
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
 
 
 def run_id() -> str:
@@ -37,6 +39,7 @@ def write_json(path: Path, obj: Any) -> Path:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_UMASK)  # mkstemp's 0600 would hide a shared history from its readers
             json.dump(obj, f, indent=1, sort_keys=True, default=str)
             f.write("\n")
             f.flush()
