@@ -48,6 +48,27 @@ partition = "debug"
 time = "00:05:00"
 cpus = 1
 setup = ["echo 'module: cuda/99.0 not found' >&2", "exit 3"]
+
+[devices.cpucancel]
+name = "a device whose job an operator cancels"
+vendor = "cpu"
+arch = "x86_64"
+gpu_names = []
+compute_capability = "none"
+base_image = "localbase/debian:bookworm"
+base_digest = "unpinned"
+toolkit = "none"
+toolkit_version = "none"
+min_driver = "none"
+python = "3.11"
+torch = "2.13.0"
+tilelang = "0.1.15"
+
+[devices.cpucancel.slurm]
+partition = "debug"
+time = "00:05:00"
+cpus = 1
+setup = ["sleep 600"]
 """
 
 
@@ -72,7 +93,7 @@ def cluster() -> None:
 def _matrix(tmp: Path) -> Path:
     m = smoke_matrix(tmp / "matrix.toml")
     text = m.read_text().replace("\n[operators.gemm]", SLURM_TABLES + "\n[operators.gemm]", 1)
-    m.write_text(text.replace('required = ["sm90"]', 'required = ["cpu", "cpufail"]'))
+    m.write_text(text.replace('required = ["sm90"]', 'required = ["cpu", "cpufail", "cpucancel"]'))
     return m
 
 
@@ -90,7 +111,7 @@ def test_submit_status_merge_and_gate_on_a_one_node_cluster(cluster: None, tmp_p
     env.pop("PYTEST_XDIST_WORKER", None)
     m = str(_matrix(tmp_path))
 
-    r = tilepilot("--matrix", m, "submit", "--engine", "slurm", "--devices", "cpu,cpufail",
+    r = tilepilot("--matrix", m, "submit", "--engine", "slurm", "--devices", "cpu,cpufail,cpucancel",
                   "--cases", "gemm/tiny-16/float16/nt", env=env)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     (sdir,) = (tmp_path / "jobs").iterdir()
@@ -99,7 +120,17 @@ def test_submit_status_merge_and_gate_on_a_one_node_cluster(cluster: None, tmp_p
     for d, job in jobs.items():
         assert f"{d}: slurm job {job}" in r.stdout
     assert f"slurm job {sub['gate']['job']} (afterany)" in r.stdout
-    assert f"--dependency=afterany:{jobs['cpu']}:{jobs['cpufail']}" in (sdir / "gate.sbatch").read_text()
+    assert (
+        f"--dependency=afterany:{jobs['cpu']}:{jobs['cpufail']}:{jobs['cpucancel']}"
+        in (sdir / "gate.sbatch").read_text()
+    )
+    # An operator cancels one device's job once it runs: the gate job must still run, and say so.
+    deadline = time.time() + 300
+    while "JobState=RUNNING" not in subprocess.run(["scontrol", "show", "job", "-o", jobs["cpucancel"]],
+                                                   capture_output=True, text=True, check=False).stdout:  # fmt: skip
+        assert time.time() < deadline, "the job to cancel never started"
+        time.sleep(1)
+    subprocess.run(["scancel", jobs["cpucancel"]], check=True)
 
     deadline = time.time() + 600
     while time.time() < deadline:
@@ -146,6 +177,9 @@ def test_submit_status_merge_and_gate_on_a_one_node_cluster(cluster: None, tmp_p
         f"slurm job {jobs['cpufail']} of submission {sub['id']}: FAILED (NonZeroExitCode, exit 3:0)"
         in verdicts["cpufail"]["why"]
     )
+    assert verdicts["cpucancel"]["status"] == "MISSING"
+    assert f"slurm job {jobs['cpucancel']} of submission {sub['id']}: CANCELLED" in verdicts["cpucancel"]["why"]
+    assert rows["cpucancel"][2] == "CANCELLED", st.stdout
     assert verdicts["sm90"]["required"] is False  # shown in the matrix, not deciding
 
 
