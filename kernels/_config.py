@@ -1,8 +1,9 @@
 """Per-device pinned kernel configs (kernels/configs/<device>.toml) and the rules that pick one.
 
 A rule's `when` table matches case dimensions (`<dim>_min`, `<dim>_max`) and names (dtype, layout,
-mask). Matching rules apply in file order, each overriding config keys; a matching
-`backend = "framework"` rule sends the call to the framework op, with its measured `reason`.
+mask). Matching rules apply in file order, each overriding config keys; the first matching rule
+that names a `backend` decides what ships and ends the walk: "framework" sends the call to the
+framework op with its measured `reason`, "tilelang" ships the kernel where it measured faster.
 """
 
 from __future__ import annotations
@@ -109,7 +110,9 @@ def choose(device: str, op: str, facts: dict[str, Any]) -> Choice | None:
             if rule.get("backend") == "framework":
                 framework_reason = rule.get("reason", "config prefers the framework op")
                 break
-            base.update({k: v for k, v in rule.items() if k not in ("when", "note")})
+            base.update({k: v for k, v in rule.items() if k not in ("when", "note", "backend", "reason")})
+            if rule.get("backend") == "tilelang":
+                break
     for entry in load_tuned(device).get(op, []):
         if _matches(entry["when"], facts):
             base.update(entry["config"])

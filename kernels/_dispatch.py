@@ -45,7 +45,19 @@ def tensor_device(*tensors: torch.Tensor) -> tuple[str | None, str]:
     return dev, ""
 
 
-def compile_kernel(key: tuple[Any, ...], program: Callable[[], Any], target: dict[str, str]) -> Any:
+def pass_configs(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """TileLang pass configs a kernel config asks for: `fast_math` builds with nvcc --use_fast_math
+    (exp2 as one ex2.approx instruction in the softmax)."""
+    if not cfg.get("fast_math"):
+        return None
+    import tilelang
+
+    return {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}
+
+
+def compile_kernel(
+    key: tuple[Any, ...], program: Callable[[], Any], target: dict[str, str], passes: dict[str, Any] | None = None
+) -> Any:
     """Compile once per key and process; TileLang's disk cache makes later processes warm."""
     with _lock:
         if key in _built:
@@ -55,7 +67,7 @@ def compile_kernel(key: tuple[Any, ...], program: Callable[[], Any], target: dic
     import tilelang
 
     try:
-        kernel = tilelang.compile(program(), target=target)
+        kernel = tilelang.compile(program(), target=target, pass_configs=passes)
     except Exception as exc:
         msg = f"{type(exc).__name__}: {exc}".strip().splitlines()
         with _lock:

@@ -2,6 +2,7 @@
 # Runs the real pilot on the lent H200 (host mode) and packs what it wrote into $OUT.
 # Needs the bundle from ../shared/device/make-bundle.sh in .device/ (carried with the call).
 #   scripts/h200-pilot.sh [pilot args...]      e.g. --cases 'gemm/*'
+#   PROFILE=1: then Nsight Compute over scripts/h200-profile.py, into $OUT/ncu.csv
 # A first run starts from an empty compile cache (cold); when time is left (REPEAT_IF_LEFT seconds
 # of LIMIT), the same commit is measured again, warm, for the reproducibility and warm-time figures.
 set -uo pipefail
@@ -26,6 +27,14 @@ done
 left=$(( limit - ($(date +%s) - t0) ))
 if [ "${GPU_TESTS:-1}" = 1 ] && [ "$left" -gt 90 ]; then
   timeout "$left" python3 -m pytest -q -p no:cacheprovider tests/test_repro.py tests/test_model.py 2>&1 | tail -15 | tee "$OUT/gpu-tests.log"
+fi
+# Nsight Compute on the pinned kernels and their framework ops (PROFILE=1), when time is left.
+left=$(( limit - ($(date +%s) - t0) ))
+if [ "${PROFILE:-0}" = 1 ] && [ "$left" -gt 60 ]; then
+  timeout "$left" ncu --nvtx --nvtx-include "profile/" --section SpeedOfLight --section ComputeWorkloadAnalysis \
+    --section WarpStateStats --section Occupancy --section LaunchStats --csv --page details \
+    python3 scripts/h200-profile.py > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
+  echo "ncu rc=$? lines=$(wc -l < "$OUT/ncu.csv")"
 fi
 tar -czf "$OUT/results.tgz" results/records results/asv $(ls -d results/repro 2>/dev/null) html
 exit "$rc"

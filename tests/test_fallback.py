@@ -10,6 +10,7 @@ the device check on.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -207,9 +208,18 @@ def test_use_backend_rejects_unknown_names() -> None:
 
 
 def test_config_rules_choose_framework_and_tiles() -> None:
-    facts = {"m": 4096, "n": 4096, "k": 4096, "layout": "nt", "dtype": "float16"}
+    gemm_facts = importlib.import_module("kernels.gemm").facts  # the package's `gemm` is the function
+    facts = gemm_facts(4096, 4096, 4096, "nt", "float16")
     ch = _config.choose("sm90", "gemm", facts)
     assert ch is not None and ch.backend == "framework" and "torch.matmul" in ch.reason
+    assert ch.config["epilogue"] == "smem"
+    # The shape rule that ships TileLang (unaligned C rows, A.B^T, large) ends the walk before the
+    # catch-all framework rule, and pins the epilogue that was measured; its neighbours keep torch.
+    odd = _config.choose("sm90", "gemm", gemm_facts(4097, 4097, 4096, "nt", "bfloat16"))
+    assert odd is not None and odd.backend == "tilelang" and odd.config["epilogue"] == "direct"
+    for m, n, k, layout in ((4097, 4097, 4096, "nn"), (77, 77, 77, "nt"), (4096, 4096, 4096, "nt")):
+        other = _config.choose("sm90", "gemm", gemm_facts(m, n, k, layout, "float16"))
+        assert other is not None and other.backend == "framework", (m, n, k, layout)
     with kernels.use_backend("tilelang"):
         forced = _config.choose("sm90", "gemm", facts)
     assert forced is not None and forced.backend == "tilelang" and forced.config["block_N"] == 256
@@ -222,6 +232,9 @@ def test_config_rules_choose_framework_and_tiles() -> None:
         small = _config.choose("sm90", "gemm", {**facts, "m": 1})
     assert small is not None and small.config["block_M"] == 64
     causal80 = _config.choose("sm80", "attention", {"seq_q": 4096, "mask": "causal", "dtype": "float16"})
+    att_facts = importlib.import_module("kernels.attention").facts(1, 32, 8, 4096, 4096, 128, "none", "float16")
+    att90 = _config.choose("sm90", "attention", att_facts)
+    assert att90 is not None and att90.config["fast_math"] == 1 and "fast_math" not in causal80.config  # type: ignore[union-attr]
     assert causal80 is not None and causal80.config["num_stages"] == 1
     assert _config.choose("gfx942", "gemm", facts) is None
     assert _config.device_for_capability(9, 0) == "sm90" and _config.device_for_capability(7, 5) is None

@@ -194,6 +194,8 @@ class Model(_Strict):
 class Gate(_Strict):
     required: Annotated[list[str], Field(min_length=1)]
     regression_factor: Annotated[float, Field(gt=1.0)]
+    # Off the representative shapes a shipped kernel may trail the framework op by at most this.
+    max_shipped_slowdown: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.02
 
 
 class Matrix(_Strict):

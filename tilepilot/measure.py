@@ -33,7 +33,10 @@ class Policy:
     # or braked at random. Warm up to the clock the load settles at, and sample at least this long.
     min_time_s: float = 0.1  # GPU time summed over the samples
     warmup_s: float = 0.1  # GPU-busy warm-up before the first sample
-    budget_s: float = 0.4  # per function, wall time spent sampling (a warm pilot must stay within 3 minutes)
+    # Per function, wall time spent sampling. On the power-capped H200 the clock wanders over about a
+    # second; the probe of 2026-12-02 (docs/perf-notes.md) had four repeats of heavy cases spread up
+    # to 8.5% at 0.4 s and within 1.1% at 0.8 s. 0.6 s is what a warm pilot's 3 minutes leave room for.
+    budget_s: float = 0.6
     batch: int = 10  # first batch; batches then double, so clock reads stay few
     max_hold_s: float = 0.05  # the longest the GPU is held back so that the host can queue a batch
 
@@ -51,6 +54,12 @@ class Clocks:
             self.handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
         except Exception:
             self.handle = None
+
+    def temperature(self) -> int | None:
+        """GPU temperature (C): under a power cap a hotter card runs slower at the same load."""
+        if self.handle is None:
+            return None
+        return int(self.nvml.nvmlDeviceGetTemperature(self.handle, self.nvml.NVML_TEMPERATURE_GPU))
 
     def read(self) -> tuple[int | None, bool]:
         if self.handle is None:
@@ -104,10 +113,10 @@ class _Side:
         settled = len(self.samples) >= p.min_samples and sum(self.samples) >= 1e3 * p.min_time_s
         return (settled and self.noise <= p.noise) or len(self.samples) >= p.max_samples or self.spent > p.budget_s
 
-    def warm_up(self) -> None:
-        # First synchronised calls (the host's launch cost, and one GPU time), then enough queued
-        # calls to keep the GPU busy for warmup_s. Never an open-ended unsynchronised loop: the
-        # launch queue would fill with thousands of long kernels before the host noticed.
+    def warm_up(self, busy: bool = True) -> None:
+        # First synchronised calls (the host's launch cost, and one GPU time), then (if `busy`)
+        # enough queued calls to keep the GPU busy for warmup_s. Never an open-ended unsynchronised
+        # loop: the launch queue would fill with thousands of long kernels before the host noticed.
         enqueue: list[float] = []
         t_gpu = 0.0
         for _ in range(3):
@@ -117,7 +126,7 @@ class _Side:
             torch.cuda.synchronize()
             t_gpu = time.perf_counter() - t0
         self.host_s = statistics.median(enqueue)
-        for _ in range(min(1000, int(self.policy.warmup_s / max(t_gpu, 1e-6)))):
+        for _ in range(min(1000, int(self.policy.warmup_s / max(t_gpu, 1e-6))) if busy else 0):
             self.fn()
         torch.cuda.synchronize()
 
@@ -149,7 +158,7 @@ class _Side:
         self.throttled += n if hot else 0
         self.batch *= 2
 
-    def result(self, clock_before: int | None) -> dict[str, Any]:
+    def result(self, clock_before: int | None, temps: list[int | None]) -> dict[str, Any]:
         s = self.samples
         q = statistics.quantiles(s, n=4) if len(s) > 1 else [s[0]] * 3
         return {
@@ -164,6 +173,7 @@ class _Side:
             "host_ms": self.host_s * 1e3,  # the Python call that launches it, measured in warm-up
             "sm_clock_mhz": [clock_before, self.clocks[-1] if self.clocks else clock_before],
             "sm_clock_median_mhz": statistics.median(self.clocks) if self.clocks else None,
+            "temp_c": temps,  # before and after the session
         }
 
 
@@ -175,9 +185,13 @@ def sample_many(fns: dict[str, Callable[[], Any]], flush: L2Flush, clocks: Clock
     Per function: median, IQR, all samples (ms), noise, host launch cost and the clock evidence.
     """
     sides = {name: _Side(fn, policy) for name, fn in fns.items()}
-    for side in sides.values():
-        side.warm_up()
+    # One GPU-busy warm-up brings the power state to the load; the batches then alternate, so the
+    # other functions need only their first calls (their own busy warm-up would cost the suite
+    # 0.1 s per function and case, and change nothing the alternation does not).
+    for i, side in enumerate(sides.values()):
+        side.warm_up(busy=i == 0)
     clock_before, _ = clocks.read()
+    temp_before = clocks.temperature()
     hz = (clock_before or 1980) * 1e6
     # Per sample the host launches the flush, two events and the function; the flush costs about
     # what a small torch op does, so twice the function's own launch time plus a margin covers it.
@@ -185,7 +199,8 @@ def sample_many(fns: dict[str, Callable[[], Any]], flush: L2Flush, clocks: Clock
         for side in sides.values():
             if not side.done:
                 side.run_batch(flush, clocks, 2 * side.host_s + 20e-6, hz)
-    return {name: side.result(clock_before) for name, side in sides.items()}
+    temps = [temp_before, clocks.temperature()]
+    return {name: side.result(clock_before, temps) for name, side in sides.items()}
 
 
 def sample(fn: Callable[[], Any], flush: L2Flush, clocks: Clocks, policy: Policy = Policy()) -> dict[str, Any]:

@@ -68,13 +68,13 @@ def _check(case: cases.Case, kernel: Any) -> dict[str, Any]:
 def _autotune(case: cases.Case, device: str, configs: list[dict[str, Any]], base: dict[str, Any]) -> dict[str, Any]:
     from tilelang.autotuner import AutoTuner
 
-    from kernels import _config, operator_module
+    from kernels import _config, _dispatch, operator_module
 
     mod = operator_module(case.op)
     fn = mod.tunable(**build.build_args(case), base=base)  # knobs not searched default to `base`
     keys = sorted(_config.load(device)[case.op]["tune"])  # type: ignore[index]
     tuner = AutoTuner.from_kernel(kernel=fn, configs=[{k: c[k] for k in keys} for c in configs])
-    tuner.set_compile_args(target=_config.target(device))
+    tuner.set_compile_args(target=_config.target(device), pass_configs=_dispatch.pass_configs(base))
     tuner.set_profile_args(warmup=10, rep=40, skip_check=True)  # correctness is ours, on the winner
     t0 = time.perf_counter()
     res = tuner.run(warmup=10, rep=40, timeout=60)

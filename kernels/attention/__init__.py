@@ -34,6 +34,15 @@ def program(
     groups = heads // kv_heads
     scale = (1.0 / d) ** 0.5 * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2 e)
     acc = "float32"
+    # "overlap": a manual two-stage software pipeline (FlashAttention-3's intra-warpgroup overlap):
+    # iteration k issues Q·K(k), then rescales and runs P·V(k-1), then the softmax of k, so that the
+    # softmax of one block can run beside the other block's gemm. Statement order in the loop body:
+    # 0 copy K, 1 mask, 2 Q·K, 3-11 softmax, 12 rescale O, 13 copy V, 14 P·V.
+    pipeline: dict[str, Any] = (
+        {"order": [0, 1, 2, 6, 7, 8, 9, 10, 11, 12, 13, 14, 4, 3, 5], "stage": [0] * 12 + [1, 1, 1]}
+        if cfg.get("overlap")
+        else {"num_stages": cfg["num_stages"]}
+    )
 
     @T.prim_func
     def main(
@@ -62,7 +71,7 @@ def program(
             T.fill(m_cur, -T.infinity(acc))
             # Causal blocks past the diagonal are skipped entirely, not just masked.
             n_blocks = T.min(T.ceildiv(seq_kv, bn), T.ceildiv((bx + 1) * bm, bn)) if causal else T.ceildiv(seq_kv, bn)
-            for kb in T.Pipelined(n_blocks, num_stages=cfg["num_stages"]):
+            for kb in T.Pipelined(n_blocks, **pipeline):
                 T.copy(K[bz, by // groups, kb * bn : (kb + 1) * bn, :], k_s)
                 # The mask is the gemm's initial accumulator: 0 where allowed, -inf elsewhere.
                 for i, j in T.Parallel(bm, bn):
@@ -107,10 +116,11 @@ def tunable(
     """The program as TileLang's AutoTuner takes it (see kernels.gemm.tunable)."""
     knobs = {key: int(base[key]) for key in ("block_M", "block_N", "num_stages", "threads")}
     causal = mask == "causal"
+    overlap = int(base.get("overlap", 0))  # not searched; fast_math is a compile option (tune passes it)
 
     def fn(block_M: int = knobs["block_M"], block_N: int = knobs["block_N"], num_stages: int = knobs["num_stages"],
            threads: int = knobs["threads"]) -> Any:  # fmt: skip
-        cfg = {"block_M": block_M, "block_N": block_N, "num_stages": num_stages, "threads": threads}
+        cfg = {"block_M": block_M, "block_N": block_N, "num_stages": num_stages, "threads": threads, "overlap": overlap}
         return program(batch, heads, kv_heads, seq_q, seq_kv, head_dim, causal, dtype, cfg)
 
     return fn
@@ -141,6 +151,7 @@ def build(
         key,
         lambda: program(batch, heads, kv_heads, seq_q, seq_kv, head_dim, causal, dtype, cfg),
         _config.target(device),
+        _dispatch.pass_configs(cfg),
     )
 
 

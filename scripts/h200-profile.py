@@ -1,0 +1,50 @@
+"""The kernels and their framework ops, once each, inside an NVTX range, for Nsight Compute.
+
+    ncu --nvtx --nvtx-include "profile/" --section SpeedOfLight ... python3 scripts/h200-profile.py
+
+Evidence for docs/perf-notes.md: what limits the pinned TileLang kernels against cuBLAS and SDPA on
+the same shapes (tensor-pipe utilisation, stall reasons, occupancy), at the clock ncu locks.
+Inputs are built and every function is called once outside the range, so only the four measured
+calls (and whatever kernels they launch) are profiled.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CASES = ["gemm/square-8192/float16/nt", "attention/llama8b-s8192/float16/none"]
+
+
+def main() -> None:
+    import torch
+
+    from kernels import operator_module
+    from tilepilot import build, cases, correctness, matrix
+
+    calls = []
+    for cid in CASES:
+        case = next(c for c in cases.expand(matrix.load(), cid))
+        mod = operator_module(case.op)
+        kernel = build.compile_case(case, "sm90")
+        inputs = correctness.make_inputs(case, 0)
+        dst = correctness.output_like(case, inputs)
+        flag = case.variant == ("nt" if case.op == "gemm" else "causal")
+        calls += [(f"{cid} tilelang", lambda k=kernel, i=inputs, d=dst: k(*i, d)),
+                  (f"{cid} framework", lambda m=mod, i=inputs, f=flag: m.reference(*i, f))]  # fmt: skip
+    for _, fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push("profile")
+    for name, fn in calls:
+        torch.cuda.nvtx.range_push(name)
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.nvtx.range_pop()
+
+
+if __name__ == "__main__":
+    main()
