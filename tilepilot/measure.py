@@ -31,7 +31,10 @@ class Policy:
     noise: float = 0.01  # stop once the robust relative spread (IQR/1.349/median) is <= 1%
     # A power-capped GPU moves its clock within milliseconds: a window of a few ms catches it boosted
     # or braked at random. Warm up to the clock the load settles at, and sample at least this long.
-    min_time_s: float = 0.1  # GPU time summed over the samples
+    # GPU time summed over the samples before a low noise may stop sampling: after the short idle gap
+    # between cases the clock boosts for a moment, and 0.1 s let a case converge inside that moment
+    # (453d8e8: SDPA at 1980 MHz in one run, 1695 MHz in the other, 6.5% apart).
+    min_time_s: float = 0.3
     warmup_s: float = 0.1  # GPU-busy warm-up before the first sample
     # Per function, wall time spent sampling. On the power-capped H200 the clock wanders over about a
     # second; the probe of 2026-12-02 (docs/perf-notes.md) had four repeats of heavy cases spread up
