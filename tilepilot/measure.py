@@ -41,6 +41,11 @@ class Policy:
     # to 8.5% at 0.4 s and within 1.1% at 0.8 s. 0.6 s is what a warm pilot's 3 minutes leave room for.
     budget_s: float = 0.6
     batch: int = 10  # first batch; batches then double, so clock reads stay few
+    # GPU rest after each sample, as a multiple of the function's own time (a spin kernel on one
+    # thread, which draws next to no power). Back-to-back samples hold a 700 W-capped H200 at its
+    # power limit, where the clock oscillates with the controller and a median depends on which
+    # phase a short window caught; with rests every sample starts from the same power state.
+    rest: float = 0.0
     max_hold_s: float = 0.05  # the longest the GPU is held back so that the host can queue a batch
 
 
@@ -105,6 +110,7 @@ class _Side:
         self.host_s = 0.0
         self.batch = policy.batch
         self.spent = 0.0
+        self.gpu_s = 0.0  # one call's GPU time as the warm-up saw it; then the samples' median
 
     @property
     def noise(self) -> float:
@@ -129,6 +135,7 @@ class _Side:
             torch.cuda.synchronize()
             t_gpu = time.perf_counter() - t0
         self.host_s = statistics.median(enqueue)
+        self.gpu_s = t_gpu
         for _ in range(min(1000, int(self.policy.warmup_s / max(t_gpu, 1e-6))) if busy else 0):
             self.fn()
         torch.cuda.synchronize()
@@ -141,6 +148,7 @@ class _Side:
         hold = min(self.policy.max_hold_s, n * hold_per_sample_s * 1.5)
         t0 = time.perf_counter()
         torch.cuda._sleep(int(hold * hz))
+        rest = int(self.policy.rest * self.gpu_s * hz)
         pairs = []
         for _ in range(n):
             flush()
@@ -149,6 +157,8 @@ class _Side:
             self.fn()
             end.record()
             pairs.append((start, end))
+            if rest:
+                torch.cuda._sleep(rest)
         queued = time.perf_counter() - t0
         torch.cuda.synchronize()
         self.spent += time.perf_counter() - t0
@@ -158,6 +168,7 @@ class _Side:
         if sm is not None:
             self.clocks.append(sm)
         self.samples += [s.elapsed_time(e) for s, e in pairs]
+        self.gpu_s = statistics.median(self.samples) * 1e-3
         self.throttled += n if hot else 0
         self.batch *= 2
 
