@@ -163,7 +163,7 @@ def variants(out: Path) -> None:
         mod = operator_module(case.op)
         inputs = correctness.make_inputs(case, 0)
         dst = correctness.output_like(case, inputs)
-        ref_args = (*inputs, case.variant == ("nt" if case.op == "gemm" else "causal"))
+        ref_args = correctness.reference_args(case, inputs)
         row: dict[str, Any] = {"variants": {}}
         fns: dict[str, Any] = {"framework": functools.partial(mod.reference, *ref_args)}
         for (jc, name, cfg), (_, cold_s, err) in zip(jobs, compiled, strict=True):
@@ -224,7 +224,7 @@ def policies(out: Path) -> None:
         kernel = build.compile_case(case, DEVICE)
         inputs = correctness.make_inputs(case, 0)
         dst = correctness.output_like(case, inputs)
-        ref_args = (*inputs, case.variant == ("nt" if case.op == "gemm" else "causal"))
+        ref_args = correctness.reference_args(case, inputs)
         prepared[cid] = {"kernel": functools.partial(kernel, *inputs, dst),
                          "reference": functools.partial(mod.reference, *ref_args)}  # fmt: skip
     rows: list[dict[str, Any]] = []

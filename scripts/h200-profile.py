@@ -31,9 +31,9 @@ def main() -> None:
         kernel = build.compile_case(case, "sm90")
         inputs = correctness.make_inputs(case, 0)
         dst = correctness.output_like(case, inputs)
-        flag = case.variant == ("nt" if case.op == "gemm" else "causal")
+        args = correctness.reference_args(case, inputs)
         calls += [(f"{cid} tilelang", lambda k=kernel, i=inputs, d=dst: k(*i, d)),
-                  (f"{cid} framework", lambda m=mod, i=inputs, f=flag: m.reference(*i, f))]  # fmt: skip
+                  (f"{cid} framework", lambda m=mod, a=args: m.reference(*a))]  # fmt: skip
     for _, fn in calls:
         fn()
     torch.cuda.synchronize()

@@ -110,3 +110,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if (lines := _progress(item.config, ".jsonl")) is not None:
         with lines.open("a", encoding="utf-8") as f:
             f.write(json.dumps(RESULTS[case.id], default=str) + "\n")
+
+
+def require_engine(why: str | None, env_var: str, fix: str) -> None:
+    """Skip a test whose real engine is not here, or fail it where CI promised one (`env_var`=1)."""
+    if why is None:
+        return
+    if os.environ.get(env_var) == "1":
+        pytest.fail(f"{why}; {fix}")
+    pytest.skip(why)

@@ -17,14 +17,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import require_engine
 
 from tilepilot import matrix
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = "localbase/debian:bookworm"
-SMOKE = f"""
-[devices.cpu]
-name = "CPU smoke device (proves the container path)"
+
+
+def cpu_device(dev_id: str, name: str, extra: str = "") -> str:
+    """A matrix.toml device block for a CPU-only device on the local Debian base (`extra`: its sub-tables)."""
+    return f"""
+[devices.{dev_id}]
+name = "{name}"
 vendor = "cpu"
 arch = "x86_64"
 gpu_names = []
@@ -37,7 +42,10 @@ min_driver = "none"
 python = "3.11"
 torch = "2.13.0"
 tilelang = "0.1.15"
-"""
+{extra}"""
+
+
+SMOKE = cpu_device("cpu", "CPU smoke device (proves the container path)")
 
 
 def smoke_matrix(dst: Path) -> Path:
@@ -72,11 +80,9 @@ def _engine() -> str | None:
 
 @pytest.fixture(scope="module")
 def engine() -> None:
-    why = _engine()
-    if why is not None:
-        if os.environ.get("TILEPILOT_REQUIRE_DOCKER") == "1":
-            pytest.fail(f"{why}; CI must start dockerd and import the base image (see .ci/run)")
-        pytest.skip(why)
+    require_engine(
+        _engine(), "TILEPILOT_REQUIRE_DOCKER", "CI must start dockerd and import the base image (see .ci/run)"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +122,9 @@ def test_rendered_dockerfiles_pass_hadolint(device: str, tmp_path: Path) -> None
 
 
 def test_no_daemon_is_one_clear_line(tmp_path: Path) -> None:
+    (tmp_path / "cpu.lock").write_text("tabulate==0.9.0 --hash=sha256:0\n")  # the lock is read first
     r = tilepilot("--matrix", str(smoke_matrix(tmp_path / "m.toml")), "image", "build", "--device", "cpu",
-                  DOCKER_HOST="unix:///nonexistent/docker.sock", TILEPILOT_LOCKS=str(ROOT / "containers" / "locks"))  # fmt: skip
+                  DOCKER_HOST="unix:///nonexistent/docker.sock", TILEPILOT_LOCKS=str(tmp_path))  # fmt: skip
     assert r.returncode == 2
     (line,) = r.stderr.strip().splitlines()
     assert "no Docker engine at unix:///nonexistent/docker.sock" in line and "--host" in line

@@ -19,57 +19,40 @@ import time
 from pathlib import Path
 
 import pytest
-from test_containers import smoke_matrix
+from conftest import require_engine
+from test_containers import cpu_device, smoke_matrix
 
 ROOT = Path(__file__).resolve().parent.parent
-SLURM_TABLES = """
+SLURM_TABLES = (
+    """
 [devices.cpu.slurm]
 partition = "debug"
 time = "00:15:00"
 cpus = 1
-
-[devices.cpufail]
-name = "a device whose node is broken"
-vendor = "cpu"
-arch = "x86_64"
-gpu_names = []
-compute_capability = "none"
-base_image = "localbase/debian:bookworm"
-base_digest = "unpinned"
-toolkit = "none"
-toolkit_version = "none"
-min_driver = "none"
-python = "3.11"
-torch = "2.13.0"
-tilelang = "0.1.15"
-
+"""
+    + cpu_device(
+        "cpufail",
+        "a device whose node is broken",
+        """
 [devices.cpufail.slurm]
 partition = "debug"
 time = "00:05:00"
 cpus = 1
 setup = ["echo 'module: cuda/99.0 not found' >&2", "exit 3"]
-
-[devices.cpucancel]
-name = "a device whose job an operator cancels"
-vendor = "cpu"
-arch = "x86_64"
-gpu_names = []
-compute_capability = "none"
-base_image = "localbase/debian:bookworm"
-base_digest = "unpinned"
-toolkit = "none"
-toolkit_version = "none"
-min_driver = "none"
-python = "3.11"
-torch = "2.13.0"
-tilelang = "0.1.15"
-
+""",
+    )
+    + cpu_device(
+        "cpucancel",
+        "a device whose job an operator cancels",
+        """
 [devices.cpucancel.slurm]
 partition = "debug"
 time = "00:05:00"
 cpus = 1
 setup = ["sleep 600"]
-"""
+""",
+    )
+)
 
 
 def _cluster() -> str | None:
@@ -83,11 +66,9 @@ def _cluster() -> str | None:
 
 @pytest.fixture(scope="module")
 def cluster() -> None:
-    why = _cluster()
-    if why is not None:
-        if os.environ.get("TILEPILOT_REQUIRE_SLURM") == "1":
-            pytest.fail(f"{why}; CI must start the one-node cluster (scripts/slurm-local.sh start)")
-        pytest.skip(why)
+    require_engine(
+        _cluster(), "TILEPILOT_REQUIRE_SLURM", "CI must start the one-node cluster (scripts/slurm-local.sh start)"
+    )
 
 
 def _matrix(tmp: Path) -> Path:

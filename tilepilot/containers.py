@@ -201,6 +201,7 @@ def build(mx: matrix.Matrix, device: str, *, rebuild: bool = False, wheelhouse: 
     """Build the device's image, or reuse it when its tag exists; the build log streams live."""
     import docker
 
+    _read_lock(device)  # the missing file is named first, whether or not an engine answers
     c = client()
     tag = image_tag(mx, device, c, wheelhouse is not None)
     if not rebuild:

@@ -57,6 +57,12 @@ def output_like(case: Case, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     return torch.empty_like(inputs[0])
 
 
+def reference_args(case: Case, inputs: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
+    """The framework op's arguments (``operator_module(case.op).reference``): the inputs, then the
+    variant's flag (trans_b for an ``nt`` GEMM, causal for a causal attention)."""
+    return (*inputs, case.variant == ("nt" if case.op == "gemm" else "causal"))
+
+
 def reference(case: Case, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     if case.op == "gemm":
         a, b = (t.double() for t in inputs)

@@ -29,12 +29,10 @@ class Policy:
     min_samples: int = 10
     max_samples: int = 1000
     noise: float = 0.01  # stop once the robust relative spread (IQR/1.349/median) is <= 1%
-    # A power-capped GPU moves its clock within milliseconds: a window of a few ms catches it boosted
-    # or braked at random. Warm up to the clock the load settles at, and sample at least this long.
-    # GPU time summed over the samples before a low noise may stop sampling: after the short idle gap
-    # between cases the clock boosts for a moment, and 0.1 s let a case converge inside that moment
-    # (453d8e8: SDPA at 1980 MHz in one run, 1695 MHz in the other, 6.5% apart).
-    min_time_s: float = 0.3
+    # GPU time summed over the samples before a low noise may stop sampling (one clock-boost moment
+    # after the gap between cases must not decide a median alone; with rests between samples, below,
+    # the noise itself shows whether the power state is steady).
+    min_time_s: float = 0.1
     warmup_s: float = 0.1  # GPU-busy warm-up before the first sample
     # Per function, wall time spent sampling. On the power-capped H200 the clock wanders over about a
     # second; the probe of 2026-12-02 (docs/perf-notes.md) had four repeats of heavy cases spread up
@@ -44,8 +42,12 @@ class Policy:
     # GPU rest after each sample, as a multiple of the function's own time (a spin kernel on one
     # thread, which draws next to no power). Back-to-back samples hold a 700 W-capped H200 at its
     # power limit, where the clock oscillates with the controller and a median depends on which
-    # phase a short window caught; with rests every sample starts from the same power state.
-    rest: float = 0.0
+    # phase a short window caught (af2eb2d: 8 of 100 medians >= 50 us moved 2-7% between two runs,
+    # robust noise 4-9%). With a rest as long as the call, every sample starts from the same power
+    # state: the probe of c4e8bee (docs/perf-notes.md) had 4 repeats of 6 such cases within 0.42%,
+    # noise under 0.5%, in half the wall time. Latencies are then those of the card's boost clock,
+    # as nvbench's throttle handling (wait for the clock to recover, then measure) also reports.
+    rest: float = 1.0
     max_hold_s: float = 0.05  # the longest the GPU is held back so that the host can queue a batch
 
 
@@ -270,7 +272,7 @@ def measure_case(case: Case, device: str, ceil: dict[str, Any], flush: L2Flush, 
     t = time.perf_counter()
     inputs = correctness.make_inputs(case, 0)
     mod = operator_module(case.op)
-    ref_args: tuple[Any, ...] = (*inputs, case.variant == ("nt" if case.op == "gemm" else "causal"))
+    ref_args = correctness.reference_args(case, inputs)
     out: dict[str, Any] = {"case": case.id, "group": case.group, "flops": case.flops}
     reference: Callable[[], Any] = lambda: mod.reference(*ref_args)  # noqa: E731
     if case.op == "attention":

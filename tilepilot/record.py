@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -34,13 +35,24 @@ def run_dir(machine: str, commit: str, rid: str, root: Path = RECORDS) -> Path:
     return root / machine / commit / rid
 
 
+# A list of numbers that indent=1 spread over one line per item (the samples: up to a thousand a
+# side). It starts with "[" and a newline, which no JSON string holds raw, so strings are never touched.
+_NUMBER_LIST = re.compile(r"\[\n[-+.eE0-9\s,]*\]")
+
+
+def _compact(text: str) -> str:
+    """indent=1 JSON with every list of numbers on one line: readable, and as small as unindented JSON
+    (453d8e8's measure-gemm.json: 2.05 MB at indent=1, 1.67 MB so, 1.66 MB unindented)."""
+    return _NUMBER_LIST.sub(lambda m: "[" + ", ".join(x.strip() for x in m.group(0)[1:-1].split(",")) + "]", text)
+
+
 def write_json(path: Path, obj: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             os.fchmod(f.fileno(), 0o666 & ~_UMASK)  # mkstemp's 0600 would hide a shared history from its readers
-            json.dump(obj, f, indent=1, sort_keys=True, default=str)
+            f.write(_compact(json.dumps(obj, indent=1, sort_keys=True, default=str)))
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())

@@ -101,7 +101,7 @@ def evaluate(case: cases.Case, device: str, cfg: dict[str, Any], flush: Any, clo
         return row
     inputs = correctness.make_inputs(case, 0)
     dst = correctness.output_like(case, inputs)
-    ref_args = (*inputs, case.variant == ("nt" if case.op == "gemm" else "causal"))
+    ref_args = correctness.reference_args(case, inputs)
     timed = measure.sample_many({"pinned": lambda: pinned(*inputs, dst), "winner": lambda: winner(*inputs, dst),
                                  "framework": lambda: mod.reference(*ref_args)}, flush, clocks)  # fmt: skip
     ms = {k: v["median_ms"] for k, v in timed.items()}
