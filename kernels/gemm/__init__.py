@@ -24,32 +24,65 @@ def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]
     # each thread writing its fragment's 4-byte pieces straight to global memory.
     smem_epilogue = cfg.get("epilogue", "direct") == "smem"
 
-    @T.prim_func
-    def main(
-        A: T.Tensor((m, k), dtype),  # type: ignore[valid-type]
-        B: T.Tensor(b_shape, dtype),  # type: ignore[valid-type]
-        C: T.Tensor((m, n), dtype),  # type: ignore[valid-type]
-    ) -> None:
-        with T.Kernel(T.ceildiv(n, bn), T.ceildiv(m, bm), threads=cfg["threads"]) as (bx, by):
-            a_s = T.alloc_shared((bm, bk), dtype)
-            b_s = T.alloc_shared(b_tile, dtype)
-            c_l = T.alloc_fragment((bm, bn), "float32")
-            if swizzle:
-                T.use_swizzle(panel_size=swizzle)  # L2-friendly block order for large grids
-            T.clear(c_l)
-            for ko in T.Pipelined(T.ceildiv(k, bk), num_stages=cfg["num_stages"]):
-                T.copy(A[by * bm, ko * bk], a_s)
-                if nt:
-                    T.copy(B[bx * bn, ko * bk], b_s)
-                else:
-                    T.copy(B[ko * bk, bx * bn], b_s)
-                T.gemm(a_s, b_s, c_l, transpose_B=nt)
-            if smem_epilogue:
-                c_s = T.alloc_shared((bm, bn), dtype)
-                T.copy(c_l, c_s)
-                T.copy(c_s, C[by * bm, bx * bn])
+    @T.macro
+    def tile(A, B, C, a_s, b_s, c_l, c_s, by, bx) -> None:  # type: ignore[no-untyped-def]
+        """One (bm, bn) tile of C: the pipelined K loop, then the epilogue."""
+        T.clear(c_l)
+        for ko in T.Pipelined(T.ceildiv(k, bk), num_stages=cfg["num_stages"]):
+            T.copy(A[by * bm, ko * bk], a_s)
+            if nt:
+                T.copy(B[bx * bn, ko * bk], b_s)
             else:
-                T.copy(c_l, C[by * bm, bx * bn])
+                T.copy(B[ko * bk, bx * bn], b_s)
+            T.gemm(a_s, b_s, c_l, transpose_B=nt)
+        if smem_epilogue:
+            T.copy(c_l, c_s)
+            T.copy(c_s, C[by * bm, bx * bn])
+        else:
+            T.copy(c_l, C[by * bm, bx * bn])
+
+    # "persistent": that many resident blocks (the SM count) walk the tiles in L2-friendly panels,
+    # so that a block's next tile starts loading while this one's epilogue drains, and no wave of
+    # fresh blocks pays its launch and prologue.
+    workers = int(cfg.get("persistent", 0))
+    m_tiles, n_tiles = -(-m // bm), -(-n // bn)
+
+    if workers:
+
+        @T.prim_func
+        def main(
+            A: T.Tensor((m, k), dtype),  # type: ignore[valid-type]
+            B: T.Tensor(b_shape, dtype),  # type: ignore[valid-type]
+            C: T.Tensor((m, n), dtype),  # type: ignore[valid-type]
+        ) -> None:
+            with T.Kernel(workers, threads=cfg["threads"]) as (worker,):
+                a_s = T.alloc_shared((bm, bk), dtype)
+                b_s = T.alloc_shared(b_tile, dtype)
+                c_l = T.alloc_fragment((bm, bn), "float32")
+                c_s = T.alloc_shared((bm, bn), dtype) if smem_epilogue else None
+                sched = T.PersistentTileScheduler(m_tiles, n_tiles, num_workers=workers, swizzle_size=max(swizzle, 1),
+                                                  stateful=False)  # fmt: skip
+                for w in T.serial(-(-(m_tiles * n_tiles) // workers)):
+                    by, bx = sched.coord(workers * w + worker)
+                    if by < m_tiles and bx < n_tiles:
+                        tile(A, B, C, a_s, b_s, c_l, c_s, by, bx)
+
+    else:
+
+        @T.prim_func
+        def main(
+            A: T.Tensor((m, k), dtype),  # type: ignore[valid-type]
+            B: T.Tensor(b_shape, dtype),  # type: ignore[valid-type]
+            C: T.Tensor((m, n), dtype),  # type: ignore[valid-type]
+        ) -> None:
+            with T.Kernel(T.ceildiv(n, bn), T.ceildiv(m, bm), threads=cfg["threads"]) as (bx, by):
+                a_s = T.alloc_shared((bm, bk), dtype)
+                b_s = T.alloc_shared(b_tile, dtype)
+                c_l = T.alloc_fragment((bm, bn), "float32")
+                c_s = T.alloc_shared((bm, bn), dtype) if smem_epilogue else None
+                if swizzle:
+                    T.use_swizzle(panel_size=swizzle)  # L2-friendly block order for large grids
+                tile(A, B, C, a_s, b_s, c_l, c_s, by, bx)
 
     return main
 
@@ -60,13 +93,14 @@ def tunable(m: int, n: int, k: int, layout: str, dtype: str, base: dict[str, Any
     knobs = {
         key: int(base.get(key, 0)) for key in ("block_M", "block_N", "block_K", "num_stages", "threads", "swizzle")
     }
-    epilogue = str(base.get("epilogue", "direct"))  # not searched: the pinned epilogue
+    epilogue = str(base.get("epilogue", "direct"))  # not searched: the pinned epilogue and schedule
+    persistent = int(base.get("persistent", 0))
 
     def fn(block_M: int = knobs["block_M"], block_N: int = knobs["block_N"], block_K: int = knobs["block_K"],
            num_stages: int = knobs["num_stages"], threads: int = knobs["threads"], swizzle: int = knobs["swizzle"]) -> Any:  # fmt: skip
         return program(m, n, k, layout, dtype, {"block_M": block_M, "block_N": block_N, "block_K": block_K,
                                                 "num_stages": num_stages, "threads": threads, "swizzle": swizzle,
-                                                "epilogue": epilogue})  # fmt: skip
+                                                "epilogue": epilogue, "persistent": persistent})  # fmt: skip
 
     return fn
 
