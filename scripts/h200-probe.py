@@ -40,7 +40,7 @@ GEMM_VARIANTS: dict[str, dict[str, Any]] = {
     # one resident block per SM (132 on H100/H200 SXM) walking the tiles in panels
     "persistent-sw8": {"persistent": 132, "swizzle": 8},
     "persistent-sw4": {"persistent": 132, "swizzle": 4},
-    "persistent-sw8-s4": {"persistent": 132, "swizzle": 8, "num_stages": 4},
+    # (4 stages do not fit beside the epilogue's tile: 256 KiB of shared memory, over the 227 KiB an SM has)
 }
 # The variants of 453d8e8's probe (fast math, the first overlap schedule) are in its output,
 # docs/probes/453d8e8/variants.json; this probe times the pinned attention kernel only.
@@ -170,7 +170,10 @@ def variants(out: Path) -> None:
                 continue
             kernel = tilelang.compile(_program(cid, cfg), target=_config.target(DEVICE),
                                       pass_configs=_dispatch.pass_configs(cfg))  # fmt: skip
-            v["check"] = tune._check(case, kernel)
+            try:
+                v["check"] = tune._check(case, kernel)
+            except Exception as exc:  # a launch failure is this variant's result, not the probe's end
+                v["check"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
             if v["check"]["ok"]:
                 fns[name] = functools.partial(kernel, *inputs, dst)
         timed = measure.sample_many(fns, flush, clocks)
