@@ -42,8 +42,9 @@ def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]
             T.copy(c_l, C[by * bm, bx * bn])
 
     # "persistent": that many resident blocks (the SM count) walk the tiles in L2-friendly panels,
-    # so that a block's next tile starts loading while this one's epilogue drains, and no wave of
-    # fresh blocks pays its launch and prologue.
+    # so that no wave of fresh blocks pays its launch and prologue. Off everywhere: on the H200
+    # (probe of 89a3f41, docs/perf-notes.md) it ran 4-6% slower than the grid schedule on all four
+    # shapes that fit, since 0.1.15's warp specialisation still drains the pipeline at every tile.
     workers = int(cfg.get("persistent", 0))
     m_tiles, n_tiles = -(-m // bm), -(-n // bn)
 
