@@ -67,3 +67,21 @@ def test_a_real_compile_failure_is_reported_and_memoized() -> None:
     with pytest.raises(_dispatch.CompileFailed) as again:
         attn.build(**args, dtype="float16", device="sm80", cfg=cfg)
     assert again.value.__cause__ is None and str(again.value) == str(first.value) == _dispatch._failed[key]
+
+
+def test_the_persistent_gemm_schedule_builds_for_sm90a() -> None:
+    """The off-by-default `persistent` knob (kernels/gemm): one resident block per SM walking the
+    tiles, still wgmma and TMA; partial tiles and two waves of them (256 tiles), so that the walk
+    and its bounds are built."""
+    import tilelang
+
+    from kernels import _config, operator_module
+
+    gemm = operator_module("gemm")
+    cfg = {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256, "swizzle": 8,
+           "epilogue": "smem", "persistent": 132}  # fmt: skip
+    kernel = tilelang.compile(gemm.program(1000, 8192, 512, "nt", "float16", cfg), target=_config.target("sm90"))
+    src = kernel.get_kernel_source()
+    assert build.inspect_source(src, "sm_90a")["ok"]
+    assert "__launch_bounds__(384" in src  # a producer warpgroup beside the two consumers
+    assert "* 132)" in src  # tile index = wave * 132 + block: the worker count strides the walk

@@ -42,11 +42,12 @@ class Policy:
     # GPU rest after each sample, as a multiple of the function's own time (a spin kernel on one
     # thread, which draws next to no power). Back-to-back samples hold a 700 W-capped H200 at its
     # power limit, where the clock oscillates with the controller and a median depends on which
-    # phase a short window caught (af2eb2d: 8 of 100 medians >= 50 us moved 2-7% between two runs,
-    # robust noise 4-9%). With a rest as long as the call, every sample starts from the same power
-    # state: the probe of c4e8bee (docs/perf-notes.md) had 4 repeats of 6 such cases within 0.42%,
-    # noise under 0.5%, in half the wall time. Latencies are then those of the card's boost clock,
-    # as nvbench's throttle handling (wait for the clock to recover, then measure) also reports.
+    # phase a short window caught (af2eb2d: 8 of 100 medians >= 50 us moved 2.5-7.3% between two
+    # runs, robust noise up to 9%). With a rest as long as the call, every sample starts from the
+    # same power state: the probe of c4e8bee (docs/perf-notes.md) had 4 repeats of 6 such cases
+    # within 0.42%, noise 0.15-1.0%, at 0.71-1.05 s a case (0.97-2.46 s before). Latencies are then
+    # those of the card's boost clock, as nvbench's throttle handling (wait for the clock to
+    # recover, then measure) also reports.
     rest: float = 1.0
     max_hold_s: float = 0.05  # the longest the GPU is held back so that the host can queue a batch
 
