@@ -44,6 +44,27 @@ def test_publish_writes_regression_pages(tmp_path: Path) -> None:
     assert MACHINE in index["machines"]
     assert any(b.startswith("bench_gemm.TrackGemm.track_kernel_ms") for b in index["benchmarks"])
     assert "tilepilot" in index["machines"][MACHINE]  # the environment capture rides along
+    # Every commit measured on the device is one point on one graph: asv drops a result of another
+    # benchmark version, and splits a machine whose description (its OS string) changed.
+    measured = {f.name[:8] for f in (RESULTS / "asv" / MACHINE).glob("*-*.json")}
+    graphs = list((tmp_path / "html" / "graphs" / "branch-HEAD").rglob("bench_gemm.TrackGemm.track_kernel_ms.json"))
+    assert len(graphs) == 1, graphs
+    revisions = {r for r, *_ in json.loads(graphs[0].read_text())}
+    hashes = {index["revision_to_hash"][str(r)][:8] for r in revisions}
+    assert hashes == measured
+
+
+def test_the_suites_version_is_the_one_the_history_was_recorded_under() -> None:
+    """A refactor of benchmarks/ keeps asv's version pinned, so the pages keep the history."""
+    from asv.results import Results
+
+    suites = json.loads((RESULTS / "asv" / "benchmarks.json").read_text())
+    from benchmarks._suite import _Measured
+
+    for f in (RESULTS / "asv" / MACHINE).glob("*-*.json"):
+        res = Results.load(str(f), machine_name=MACHINE)
+        for key in res.get_all_result_keys():
+            assert res.benchmark_version[key] == suites[key]["version"] == _Measured.version, (f.name, key)
 
 
 def test_gate_on_the_h200_run(tmp_path: Path) -> None:

@@ -183,3 +183,26 @@ def test_merged_files_keep_their_modes_and_empty_folders_are_no_runs(tmp_path: P
     finally:
         os.umask(old)
     assert stat.S_IMODE(written.stat().st_mode) == 0o666 & ~record._UMASK
+
+
+def test_the_newest_runs_description_of_the_benchmarks_wins(tmp_path: Path) -> None:
+    """asv's pages hold every result to benchmarks.json (params, version): the newest run's must win,
+    whatever the order of the sources, or its new cases and its results are hidden."""
+
+    def date(commit: str) -> int:
+        (f,) = (RESULTS / "asv" / MACHINE).glob(f"{commit[:8]}-*.json")
+        return int(_asv_result(f).date)  # type: ignore[attr-defined]
+
+    measured = sorted((c for c in COMMITS if list((RESULTS / "asv" / MACHINE).glob(f"{c[:8]}-*.json"))), key=date)
+    key = "bench_gemm.TrackGemm.track_kernel_ms"
+    old, new = _source(tmp_path / "old", measured[:1]), _source(tmp_path / "new", measured[-1:])
+    for tree in (old, new):  # each host's asv described the suites as its own checkout had them
+        bj = tree / "asv" / "benchmarks.json"
+        data = json.loads(bj.read_text())
+        data[key]["version"] = tree.name
+        bj.write_text(json.dumps(data))
+    for i, order in enumerate(([old, new], [new, old])):
+        merge.merge(order, tmp_path / f"h{i}")
+        assert json.loads((tmp_path / f"h{i}" / "asv" / "benchmarks.json").read_text())[key]["version"] == "new"
+    merge.merge([old], tmp_path / "h0")  # an older upload into a newer history changes nothing there
+    assert json.loads((tmp_path / "h0" / "asv" / "benchmarks.json").read_text())[key]["version"] == "new"

@@ -48,7 +48,10 @@ def run(machine: str, commit: str, capture: dict[str, Any], env: dict[str, str])
     # asv drops PYTHONPATH from benchmark processes unless it comes as ASV_PYTHONPATH.
     if env.get("PYTHONPATH"):
         env = {**env, "ASV_PYTHONPATH": env["PYTHONPATH"]}
-    rc = asv("machine", "--yes", "--machine", machine, "--os", platform.platform(), "--arch", platform.machine(),
+    # asv draws one graph per distinct machine description: the OS without its build string, so that
+    # a host's kernel update does not split a device's history (the full platform string is kept in
+    # machine.json's tilepilot keys and in every run record).
+    rc = asv("machine", "--yes", "--machine", machine, "--os", platform.system(), "--arch", platform.machine(),
              "--cpu", f"{gpu.get('name', '')} / {platform.processor() or platform.machine()}",
              "--num_cpu", str(os.cpu_count()), "--ram", str(gpu.get("memory_mib", "")), env=env)  # fmt: skip
     if rc != 0:
@@ -58,7 +61,7 @@ def run(machine: str, commit: str, capture: dict[str, Any], env: dict[str, str])
     mfile = ASV_RESULTS / machine / "machine.json"
     if mfile.exists():  # the environment capture, as extra keys asv carries along
         data = json.loads(mfile.read_text())
-        data["tilepilot"] = {k: capture[k] for k in ("python", "torch", "tilelang", "toolkit", "gpu")}
+        data["tilepilot"] = {k: capture[k] for k in ("python", "torch", "tilelang", "toolkit", "gpu", "platform")}
         record.write_json(mfile, data)
     return rc
 

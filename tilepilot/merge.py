@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from tilepilot.errors import UserError
 
@@ -39,11 +39,12 @@ POLICIES: tuple[Policy, ...] = ("refuse", "keep-both")
 class Plan:
     """What the merge will do: (description, action) pairs, run in order, and notes for the report."""
 
-    actions: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
+    actions: list[tuple[str, Callable[[], object]]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     duplicates: list[str] = field(default_factory=list)
     skipped: int = 0
     planned: dict[Path, Path] = field(default_factory=dict)  # destination -> the source it comes from
+    descriptions: list[Path] = field(default_factory=list)  # sources with an asv/benchmarks.json
 
     def existing(self, dst: Path) -> Path | None:
         """What dst will hold when this plan's earlier actions have run: a planned source or dst itself."""
@@ -169,23 +170,27 @@ def _combine_asv(src: Path, dst: Path) -> None:
         os.replace(Path(tmp) / machine / dst.name, dst)
 
 
-def _asv_commit(path: Path) -> str:
+def _asv_load(path: Path) -> Any:
     from asv.results import Results
 
     try:
-        return str(Results.load(str(path), machine_name=path.parent.name).commit_hash)
+        return Results.load(str(path), machine_name=path.parent.name)
     except Exception as exc:
         raise UserError(f"{path}: corrupt asv result ({exc}); drop it from the source or re-run that pilot") from None
 
 
-def _merge_benchmarks_json(src: Path, dst: Path) -> None:
-    # asv's description of the benchmarks: a union by name, the existing entries kept.
-    have = json.loads(dst.read_text(encoding="utf-8"))
-    for name, desc in json.loads(src.read_text(encoding="utf-8")).items():
-        have.setdefault(name, desc)
-    from tilepilot import record
+def _newest_asv_date(root: Path) -> int:
+    return max((_asv_load(f).date or 0 for f in root.glob("asv/*/*.json") if f.name != "machine.json"), default=0)
 
-    record.write_json(dst, have)
+
+def _benchmarks_json(trees: list[Path]) -> dict[str, Any]:
+    """asv's description of the benchmarks (params, version), which publish holds every result to:
+    each name's description from the tree with the newest asv result, so that a newer run's cases
+    show and its results are not hidden as another version's; every name any tree has is kept."""
+    out: dict[str, Any] = {}
+    for tree in sorted(trees, key=_newest_asv_date):  # oldest first (stable): the newest lands last
+        out.update(json.loads((tree / "asv" / "benchmarks.json").read_text(encoding="utf-8")))
+    return out
 
 
 def _plan_asv(src: Path, into: Path, plan: Plan) -> None:
@@ -199,7 +204,7 @@ def _plan_asv(src: Path, into: Path, plan: Plan) -> None:
             elif not filecmp.cmp(f, dst, shallow=False):
                 plan.notes.append(f"{src}: {rel} differs from the one there, which is kept")
             continue
-        commit = _asv_commit(f)  # also: a corrupt file stops the merge here, before anything is written
+        commit = str(_asv_load(f).commit_hash)  # a corrupt file stops the merge here, before any write
         complete = any(_complete(r) for r in (src / "records" / machine / commit).glob("*"))
         there = plan.existing(dst)
         if there is None:
@@ -212,13 +217,26 @@ def _plan_asv(src: Path, into: Path, plan: Plan) -> None:
         else:
             plan.duplicates.append(f"{rel} from {src}: asv already has results of {machine} at {commit[:12]}")
             plan.actions.append((f"combine samples into {rel}", partial(_combine_asv, f, dst)))
-    bj = src / "asv" / "benchmarks.json"
-    if bj.exists():
-        dst = into / "asv" / "benchmarks.json"
-        if not dst.exists():
-            plan.actions.append(("add asv/benchmarks.json", partial(_copy_file, bj, dst)))
-        elif not filecmp.cmp(bj, dst, shallow=False):
-            plan.actions.append(("merge asv/benchmarks.json", partial(_merge_benchmarks_json, bj, dst)))
+    if (src / "asv" / "benchmarks.json").exists():
+        plan.descriptions.append(src)
+
+
+def _plan_benchmarks_json(into: Path, plan: Plan) -> None:
+    # Decided before anything is written: once the sources' results are in, `into` looks as new as they.
+    from tilepilot import record
+
+    dst = into / "asv" / "benchmarks.json"
+    if not plan.descriptions:
+        return
+    trees = [*([into] if dst.exists() else []), *plan.descriptions]
+    merged = _benchmarks_json(trees)
+    same = [t / "asv" / "benchmarks.json" for t in trees if merged == json.loads((t / "asv" / "benchmarks.json").read_text(encoding="utf-8"))]  # fmt: skip
+    if dst in same:
+        return
+    if same:  # one tree's file as asv wrote it
+        plan.actions.append(("add asv/benchmarks.json", partial(_copy_file, same[-1], dst)))
+    else:
+        plan.actions.append(("write asv/benchmarks.json", partial(record.write_json, dst, merged)))
 
 
 def _plan_files(src: Path, into: Path, sub: str, plan: Plan) -> None:
@@ -251,6 +269,7 @@ def plan(sources: list[Path], into: Path, policy: Policy = "refuse") -> Plan:
         _plan_files(src, into, "repro", out)
         _plan_files(src, into, "submissions", out)
         _plan_files(src, into, "tune", out)
+    _plan_benchmarks_json(into, out)
     if out.duplicates and policy == "refuse":
         raise UserError(f"duplicate results, nothing merged: {out.duplicates[0]}"
                         + (f" (+{len(out.duplicates) - 1} more)" if len(out.duplicates) > 1 else "")

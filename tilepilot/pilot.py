@@ -221,13 +221,15 @@ def step_measure(run: Run) -> int:
            "TILEPILOT_DEVICE": run.device, "TILEPILOT_CASES": run.pattern or ""}  # fmt: skip
     rc = history.run(run.machine, run.commit, run.env, env)
     run.timings["asv_s"] = time.perf_counter() - t0
-    # The measurement's own time, as each record clocked it, against what asv took around it.
-    raw = 0.0
-    for f in [*run.dir.glob("measure-*.json"), run.dir / "model.json"]:
-        if f.exists():
-            raw += float(json.loads(f.read_text(encoding="utf-8")).get("seconds", 0.0))
+    # The measurement's own time (imports, ceilings, operators, model: what a run without asv takes),
+    # as measure.json clocked it, against what asv took around it.
+    raw, extra = 0.0, ""
+    if (run.dir / "measure.json").exists():
+        own = record.read_json(run.dir / "measure.json", "measure-all")
+        raw = float(own["seconds"])
+        detail = ", ".join(f"{k.removesuffix('_s')} {v:.0f}s" for k, v in own["parts"].items())
+        extra = f", {100 * (run.timings['asv_s'] / raw - 1):.1f}% over the measurement's own {raw:.0f}s ({detail})"
     run.timings["measure_raw_s"] = raw
-    extra = f", {100 * (run.timings['asv_s'] / raw - 1):.0f}% over the measurement's own {raw:.0f}s" if raw else ""
     say(f"measure: asv exit {rc} in {run.timings['asv_s']:.0f}s{extra}")
     return rc
 
