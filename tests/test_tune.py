@@ -56,6 +56,18 @@ def test_tunable_programs_suit_the_autotuner_and_compile_for_sm90a(pattern: str)
     assert "wgmma" in kernel.get_kernel_source()
 
 
+def test_a_candidate_that_cannot_launch_fails_its_check_and_the_caller_goes_on() -> None:
+    """A real sm_90a kernel whose launch fails (here: handed host tensors; on the H200, a config that
+    asks for more shared memory than the SM has) is that candidate's failed check, in one line."""
+    from tilepilot import correctness
+
+    c = _case("gemm/odd-k77/float16/nt")
+    kernel = operator_module("gemm").build(**build.build_args(c), device="sm90")
+    inputs = correctness.make_inputs(c, 0, device="cpu")
+    res = correctness.check_kernel(c, kernel, inputs, correctness.reference(c, inputs))
+    assert res["ok"] is False and res["error"].startswith("launch failed: ") and "\n" not in res["error"]
+
+
 def test_pinned_winners_change_that_case_s_config_only_and_never_what_ships(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -103,11 +103,20 @@ def _kernel_check(case: Case, device: str, inputs: tuple[torch.Tensor, ...], ref
         kernel = build.compile_case(case, device)  # the pinned config, whatever backend ships
     except Exception as exc:
         return {"ok": False, "error": f"compile failed: {exc}".splitlines()[0]}
-    out = output_like(case, inputs).fill_(float("nan"))
-    kernel(*inputs, out)
-    torch.cuda.synchronize()
+    return check_kernel(case, kernel, inputs, ref)
+
+
+def check_kernel(case: Case, kernel: Any, inputs: tuple[torch.Tensor, ...], ref: torch.Tensor) -> dict[str, Any]:
+    """One compiled kernel on one trial's inputs, into a NaN-poisoned output. A launch that fails
+    (more shared memory than the SM has, say) is this kernel's failure, not the caller's end."""
     from tilepilot import inject
 
+    out = output_like(case, inputs).fill_(float("nan"))
+    try:
+        kernel(*inputs, out)
+        torch.cuda.synchronize()
+    except Exception as exc:
+        return {"ok": False, "error": f"launch failed: {type(exc).__name__}: {exc}".splitlines()[0]}
     if inject.active("wrong", case.id):
         out.view(-1)[::7] += 1.0  # a kernel that computes wrong values, for the failure path's tests
     return compare(out, ref, case)

@@ -47,43 +47,30 @@ def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]
     # shapes that fit, since 0.1.15's warp specialisation still drains the pipeline at every tile.
     workers = int(cfg.get("persistent", 0))
     m_tiles, n_tiles = -(-m // bm), -(-n // bn)
+    grid = (workers,) if workers else (n_tiles, m_tiles)
 
-    if workers:
-
-        @T.prim_func
-        def main(
-            A: T.Tensor((m, k), dtype),  # type: ignore[valid-type]
-            B: T.Tensor(b_shape, dtype),  # type: ignore[valid-type]
-            C: T.Tensor((m, n), dtype),  # type: ignore[valid-type]
-        ) -> None:
-            with T.Kernel(workers, threads=cfg["threads"]) as (worker,):
-                a_s = T.alloc_shared((bm, bk), dtype)
-                b_s = T.alloc_shared(b_tile, dtype)
-                c_l = T.alloc_fragment((bm, bn), "float32")
-                c_s = T.alloc_shared((bm, bn), dtype) if smem_epilogue else None
+    @T.prim_func
+    def main(
+        A: T.Tensor((m, k), dtype),  # type: ignore[valid-type]
+        B: T.Tensor(b_shape, dtype),  # type: ignore[valid-type]
+        C: T.Tensor((m, n), dtype),  # type: ignore[valid-type]
+    ) -> None:
+        with T.Kernel(*grid, threads=cfg["threads"]) as block:
+            a_s = T.alloc_shared((bm, bk), dtype)
+            b_s = T.alloc_shared(b_tile, dtype)
+            c_l = T.alloc_fragment((bm, bn), "float32")
+            c_s = T.alloc_shared((bm, bn), dtype) if smem_epilogue else None
+            if workers:  # a Python constant: TileLang keeps one branch when it parses this
                 sched = T.PersistentTileScheduler(m_tiles, n_tiles, num_workers=workers, swizzle_size=max(swizzle, 1),
                                                   stateful=False)  # fmt: skip
                 for w in T.serial(-(-(m_tiles * n_tiles) // workers)):
-                    by, bx = sched.coord(workers * w + worker)
+                    by, bx = sched.coord(workers * w + block)
                     if by < m_tiles and bx < n_tiles:
                         tile(A, B, C, a_s, b_s, c_l, c_s, by, bx)
-
-    else:
-
-        @T.prim_func
-        def main(
-            A: T.Tensor((m, k), dtype),  # type: ignore[valid-type]
-            B: T.Tensor(b_shape, dtype),  # type: ignore[valid-type]
-            C: T.Tensor((m, n), dtype),  # type: ignore[valid-type]
-        ) -> None:
-            with T.Kernel(T.ceildiv(n, bn), T.ceildiv(m, bm), threads=cfg["threads"]) as (bx, by):
-                a_s = T.alloc_shared((bm, bk), dtype)
-                b_s = T.alloc_shared(b_tile, dtype)
-                c_l = T.alloc_fragment((bm, bn), "float32")
-                c_s = T.alloc_shared((bm, bn), dtype) if smem_epilogue else None
+            else:
                 if swizzle:
                     T.use_swizzle(panel_size=swizzle)  # L2-friendly block order for large grids
-                tile(A, B, C, a_s, b_s, c_l, c_s, by, bx)
+                tile(A, B, C, a_s, b_s, c_l, c_s, block[1], block[0])
 
     return main
 
