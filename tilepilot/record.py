@@ -1,6 +1,6 @@
 """Step 6: where run records live, and how they are written (atomically) and read (strictly).
 
-    results/records/<machine>/<commit>/<run-id>/{build,correctness,measure}.json
+    results/records/<machine>/<commit>/<run-id>/{build,correctness,measure-<op>,model,measure,run}.json
 
 A run id is the UTC start time; a run never overwrites another, and a half-written file never
 replaces a whole one (write to a temp file in the same folder, fsync, rename).
