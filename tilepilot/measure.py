@@ -38,6 +38,12 @@ class Policy:
     # second; the probe of 2026-12-02 (docs/perf-notes.md) had four repeats of heavy cases spread up
     # to 8.5% at 0.4 s and within 1.1% at 0.8 s. 0.6 s is what a warm pilot's 3 minutes leave room for.
     budget_s: float = 0.6
+    # The budget never stops a function before this many samples. A call of about 30 ms spends the
+    # budget on its first batch of 10 (with its rests), and a median of 10 such samples, spikes of
+    # +5-8% among them, moved 2.2% between two runs of f67a209 (attention s32768 fp16 kernel: 10
+    # samples in one run, 30 in the other). Only calls that long pay for it: shorter ones get 30
+    # samples within the budget anyway.
+    budget_min_samples: int = 30
     batch: int = 10  # first batch; batches then double, so clock reads stay few
     # GPU rest after each sample, as a multiple of the function's own time (a spin kernel on one
     # thread, which draws next to no power). Back-to-back samples hold a 700 W-capped H200 at its
@@ -123,7 +129,8 @@ class _Side:
     def done(self) -> bool:
         p = self.policy
         settled = len(self.samples) >= p.min_samples and sum(self.samples) >= 1e3 * p.min_time_s
-        return (settled and self.noise <= p.noise) or len(self.samples) >= p.max_samples or self.spent > p.budget_s
+        spent = self.spent > p.budget_s and len(self.samples) >= p.budget_min_samples
+        return (settled and self.noise <= p.noise) or len(self.samples) >= p.max_samples or spent
 
     def warm_up(self, busy: bool = True) -> None:
         # First synchronised calls (the host's launch cost, and one GPU time), then (if `busy`)
