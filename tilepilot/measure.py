@@ -388,7 +388,8 @@ def measure_all(device: str, pattern: str | None, run_dir: Path | None, started:
     from tilepilot import matrix, model, record
 
     t0 = time.perf_counter()
-    parts = {"imports_s": t0 - started if started is not None else 0.0}
+    started = t0 if started is None else started
+    parts = {"imports_s": t0 - started}
     mx = matrix.load()
     flush, clocks = L2Flush(), Clocks()
     tools = (flush, clocks, ceilings(flush, clocks))
@@ -400,7 +401,7 @@ def measure_all(device: str, pattern: str | None, run_dir: Path | None, started:
     else:
         out["model"] = {"cases": {}}
     parts.update({f"{op}_s": float(out[op].get("seconds", 0.0)) for op in [*mx.pilot.operators, "model"]})
-    out["seconds"] = time.perf_counter() - (started if started is not None else t0)
+    out["seconds"] = time.perf_counter() - started
     if run_dir is not None:
         record.write_json(run_dir / "measure.json", {"kind": "measure-all", "schema": record.SCHEMA, "device": device,
                                                      "seconds": out["seconds"], "parts": parts, "complete": True})  # fmt: skip

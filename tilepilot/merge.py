@@ -183,16 +183,6 @@ def _newest_asv_date(root: Path) -> int:
     return max((_asv_load(f).date or 0 for f in root.glob("asv/*/*.json") if f.name != "machine.json"), default=0)
 
 
-def _benchmarks_json(trees: list[Path]) -> dict[str, Any]:
-    """asv's description of the benchmarks (params, version), which publish holds every result to:
-    each name's description from the tree with the newest asv result, so that a newer run's cases
-    show and its results are not hidden as another version's; every name any tree has is kept."""
-    out: dict[str, Any] = {}
-    for tree in sorted(trees, key=_newest_asv_date):  # oldest first (stable): the newest lands last
-        out.update(json.loads((tree / "asv" / "benchmarks.json").read_text(encoding="utf-8")))
-    return out
-
-
 def _plan_asv(src: Path, into: Path, plan: Plan) -> None:
     for f in sorted(src.glob("asv/*/*.json")):
         machine = f.parent.name
@@ -222,19 +212,25 @@ def _plan_asv(src: Path, into: Path, plan: Plan) -> None:
 
 
 def _plan_benchmarks_json(into: Path, plan: Plan) -> None:
-    # Decided before anything is written: once the sources' results are in, `into` looks as new as they.
+    """asv's description of the benchmarks (params, version), which publish holds every result to:
+    each name's description from the tree with the newest asv result, so that a newer run's cases
+    show and its results are not hidden as another version's; every name any tree has is kept.
+    Decided before anything is written: once the sources' results are in, `into` looks as new as they."""
     from tilepilot import record
 
     dst = into / "asv" / "benchmarks.json"
     if not plan.descriptions:
         return
     trees = [*([into] if dst.exists() else []), *plan.descriptions]
-    merged = _benchmarks_json(trees)
-    same = [t / "asv" / "benchmarks.json" for t in trees if merged == json.loads((t / "asv" / "benchmarks.json").read_text(encoding="utf-8"))]  # fmt: skip
-    if dst in same:
+    described = {t: json.loads((t / "asv" / "benchmarks.json").read_text(encoding="utf-8")) for t in trees}
+    merged: dict[str, Any] = {}
+    for tree in sorted(trees, key=_newest_asv_date):  # oldest first (stable): the newest lands last
+        merged.update(described[tree])
+    same = [t for t in trees if described[t] == merged]
+    if into in same:
         return
     if same:  # one tree's file as asv wrote it
-        plan.actions.append(("add asv/benchmarks.json", partial(_copy_file, same[-1], dst)))
+        plan.actions.append(("add asv/benchmarks.json", partial(_copy_file, same[-1] / "asv" / "benchmarks.json", dst)))
     else:
         plan.actions.append(("write asv/benchmarks.json", partial(record.write_json, dst, merged)))
 
