@@ -13,20 +13,17 @@ per case, <out>-<case>.loop.sass: the hot loop's SASS as nvdisasm printed it.
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
-CASES = [
-    "gemm/square-8192/float16/nt",
-    "gemm/llama8b-gateup-t4096/float16/nt",
-    "attention/llama8b-s8192/float16/none",
-    "attention/mha-b8-s4096/bfloat16/causal",
-]
+# The kernels Nsight Compute profiles (scripts/h200-profile.py): SASS and profile of the same code.
+CASES: list[str] = importlib.import_module("h200-profile").CASES
 # The instructions that order the work; everything else is counted as "other".
 EVENTS = ("HGMMA", "WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE", "MUFU.EX2", "BAR.SYNC", "BAR.ARV", "SYNCS.PHASECHK",
           "SYNCS.ARRIVE", "UTMALDG", "UTMASTG", "UTMACMDFLUSH", "DEPBAR")  # fmt: skip
