@@ -76,8 +76,10 @@ def test_gate_on_the_h200_run(tmp_path: Path) -> None:
     gemm, attn = dev["operators"]["gemm"], dev["operators"]["attention"]
     # At this commit the config shipped TileLang at 8192^3, measured 0.91-0.95x torch.matmul: the
     # gate must say FAIL there; attention kept SDPA on every shape, so it passes, fallback exercised.
-    assert gemm["status"] == "FAIL" and any("square-8192" in p for p in gemm["problems"])
-    assert attn["status"] == "PASS" and attn["fallback_exercised"]
+    assert gemm["status"] == "FAIL" and any("objective: gemm/square-8192" in p for p in gemm["problems"])
+    # Its correctness record predates the fields the gate now requires (machine, run, ...): the
+    # attention column fails for want of readable correctness evidence, whatever its speed.
+    assert attn["status"] == "FAIL" and any("no readable correctness.json" in p for p in attn["problems"])
     assert all(v.startswith("framework kept") for v in attn["shapes"].values())
     md = (tmp_path / "gate.md").read_text()
     assert "| sm90" in md and "fallback tested" in md
@@ -94,11 +96,11 @@ def test_commit_without_gpu_results_is_missing(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("target", "damage", "expect"),
     [
-        ("correctness.json", lambda p: p.write_text(p.read_text()[:500]), "corrupt correctness record"),
+        ("correctness.json", lambda p: p.write_text(p.read_text()[:500]), "corrupt JSON"),
         ("correctness.json", lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "complete": False})),
-         "partial correctness record"),
-        ("measure-gemm.json", lambda p: p.write_text("{}"), "not a tilepilot measure record"),
-        ("build.json", lambda p: p.unlink(), "missing build record"),
+         "complete: input should be true, got False"),
+        ("measure-gemm.json", lambda p: p.write_text("{}"), "kind: field required"),
+        ("build.json", lambda p: p.unlink(), "missing"),
     ],
 )  # fmt: skip
 def test_damaged_records_fail_naming_the_file(
@@ -107,15 +109,15 @@ def test_damaged_records_fail_naming_the_file(
     path = run_dir(copy) / target
     damage(path)  # type: ignore[operator]
     r = tilepilot("gate", "--commit", MEASURED, "--out", str(tmp_path / "g"), results=copy)
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert str(path) in r.stderr and expect in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"{path}: {expect}" in r.stdout and "Traceback" not in r.stdout + r.stderr, r.stdout
 
 
 def test_corrupt_asv_result_fails_naming_the_file(copy: Path, tmp_path: Path) -> None:
     (res,) = (copy / "asv" / MACHINE).glob(f"{MEASURED[:8]}-*.json")
     res.write_text(res.read_text()[:1000])
     r = tilepilot("gate", "--commit", MEASURED, "--out", str(tmp_path / "g"), results=copy)
-    assert r.returncode == 2 and str(res) in r.stderr, r.stderr
+    assert r.returncode == 1 and f"{res}: corrupt asv result" in r.stdout, r.stdout + r.stderr
 
 
 def test_regression_against_the_previous_commit_uses_asv_statistics(copy: Path, tmp_path: Path) -> None:
@@ -167,7 +169,7 @@ def test_a_run_that_reported_failure_fails_the_gate(copy: Path, tmp_path: Path) 
     r = tilepilot("gate", "--commit", MODEL_RUN, "--out", str(tmp_path), results=copy)
     assert r.returncode == 1
     (dev,) = [d for d in json.loads((tmp_path / "gate.json").read_text())["devices"] if d["required"]]
-    assert any(p.startswith("run: the pilot itself reported failure") for p in dev["operators"]["gemm"]["problems"])
+    assert any(p.endswith("run.json: the pilot itself reported failure") for p in dev["run_problems"]), dev
 
 
 def test_model_output_beyond_tolerance_fails(copy: Path, tmp_path: Path) -> None:
@@ -207,14 +209,33 @@ def test_benchmark_modules_import_neither_torch_nor_tilelang() -> None:
 def test_a_kernel_shipped_off_the_representative_shapes_may_trail_by_2_percent(
     copy: Path, tmp_path: Path, speedup: float, verdict: str
 ) -> None:
-    """Every case is shown; an edge case that ships TileLang is held to `[gate] max_shipped_slowdown`."""
+    """Every case is shown; an edge case that ships TileLang is held to `[gate] max_shipped_slowdown`.
+    The kernel's samples are scaled to the speedup in its record and in asv alike (the gate checks
+    that they agree, and that the speedup is reference/kernel)."""
+    import statistics
+
+    from asv.results import Results
+
     path = run_dir(copy) / "measure-gemm.json"
     data = json.loads(path.read_text())
     case = "gemm/odd-4097/float16/nt"
-    data["cases"][case].update(shipped="tilelang", speedup=speedup, suspect=[])
+    m = data["cases"][case]
+    scale = m["reference"]["median_ms"] / speedup / m["kernel"]["median_ms"]
+    m["kernel"]["samples_ms"] = [round(x * scale, 5) for x in m["kernel"]["samples_ms"]]
+    m["kernel"]["median_ms"] = statistics.median(m["kernel"]["samples_ms"])
+    m.update(shipped="tilelang", speedup=m["reference"]["median_ms"] / m["kernel"]["median_ms"], suspect=[])
     path.write_text(json.dumps(data))
+    (res_path,) = (copy / "asv" / MACHINE).glob(f"{MEASURED[:8]}-*.json")
+    res = Results.load(str(res_path), machine_name=MACHINE)
+    key = "bench_gemm.TrackGemm.track_kernel_ms"
+    i = [p.strip("'") for p in res.get_result_params(key)[0]].index(case)
+    res._results[key][i] = m["kernel"]["median_ms"]
+    res._samples[key][i] = m["kernel"]["samples_ms"]
+    res.save(str(copy / "asv"))
     tilepilot("gate", "--commit", MEASURED, "--out", str(tmp_path), results=copy)
     gemm = json.loads((tmp_path / "gate.json").read_text())["devices"][0]["operators"]["gemm"]
-    assert gemm["shapes"][case] == verdict
+    assert gemm["shapes"][case].startswith(verdict)
     assert any(s.startswith("framework kept") for c, s in gemm["shapes"].items() if "/tiny-16/" in c)
-    assert (f"objective: {case}: {verdict}" in gemm["problems"]) == verdict.startswith("FAIL")
+    assert any(p.startswith(f"objective: {case}: {verdict.removeprefix('FAIL ')}") for p in gemm["problems"]) == (
+        verdict.startswith("FAIL")
+    )

@@ -11,15 +11,23 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from tilepilot import matrix
 from tilepilot.errors import UserError
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad flag answered in one line (the usage is one `--help` away) and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tilepilot", description=__doc__)
+    p = _Parser(prog="tilepilot", description=__doc__)
     p.add_argument("--matrix", type=Path, default=matrix.DEFAULT_PATH, help="path to matrix.toml")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     m = sub.add_parser("matrix", help="matrix.toml commands")
     m.add_argument("action", choices=["check"])
     sub.add_parser("env", help="print the environment capture")
@@ -72,9 +80,23 @@ def _parser() -> argparse.ArgumentParser:
     ci = sub.add_parser("ci", help="GitHub Actions: render .github/workflows/pilot.yml from matrix.toml")
     ci.add_argument("action", choices=["render"])
     ci.add_argument("--out", type=Path, default=None, help="default: .github/workflows/pilot.yml")
-    g = sub.add_parser("gate", help="the release gate for a commit")
-    g.add_argument("--commit", default="HEAD")
+    g = sub.add_parser(
+        "gate",
+        help="the release gate for a commit",
+        description="Judge the code commit's evidence on every device of matrix.toml. Exit status: 0 PASS, "
+        "1 FAIL (a verdict), 2 bad input (a flag, matrix.toml, the commit), 3 an internal error (traceback "
+        "in a log file).",
+    )
+    g.add_argument(
+        "--commit", default="HEAD", help="the revision to judge (default HEAD); its last code commit is judged"
+    )
     g.add_argument("--out", type=Path, default=None, help="where gate.json and gate.md go (default: gate/)")
+    g.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="the results tree to judge (default: $TILEPILOT_RESULTS, else results/)",
+    )
     return p
 
 
@@ -169,11 +191,32 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "gate":
             from tilepilot import gate
 
-            return gate.gate(args.commit, args.matrix, args.out or gate.OUT)
+            return gate.gate(args.commit, args.matrix, args.out or gate.OUT, args.results)
     except UserError as exc:
         print(f"tilepilot: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except KeyboardInterrupt:
+        print("tilepilot: interrupted", file=sys.stderr)
+        return 130
+    except Exception:
+        # A bug, not bad input: the traceback goes to a file, the terminal gets one line and exit 3.
+        log = _internal_error_log()
+        print(
+            f"tilepilot: internal error in `{args.cmd}` (a bug; please report it): traceback in {log}", file=sys.stderr
+        )
+        return 3
     return 2
+
+
+def _internal_error_log() -> Path:
+    import tempfile
+    import time
+    import traceback
+
+    fd, name = tempfile.mkstemp(prefix=f"tilepilot-error-{time.strftime('%Y%m%dT%H%M%S')}-", suffix=".log")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(" ".join(sys.argv) + "\n\n" + traceback.format_exc())
+    return Path(name)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ comma-separated `<kind>:<case-glob>` items.
     hang:<glob>    the correctness test of a matching case never returns
     crash:<glob>   its process dies of SIGSEGV
     wrong:<glob>   the TileLang kernel's output is corrupted after it ran (needs the GPU)
+    internal:gate  the gate raises a bug (its exit status 3 and the log file that keeps the traceback)
 
 Nothing is injected unless the variable is set; the pilot records it in run.json when it is.
 """

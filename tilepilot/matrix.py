@@ -30,6 +30,9 @@ class Pilot(_Strict):
     metrics: list[Metric]
     fallback: Literal["required"]
     operators: dict[Literal["gemm", "attention"], PilotOperator]
+    # Correctness trials per case (fresh seeded inputs each): the pilot's default, and what the gate
+    # requires of a release run.
+    trials: PositiveInt = 3
 
 
 class Target(_Strict):

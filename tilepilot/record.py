@@ -47,13 +47,18 @@ def _compact(text: str) -> str:
 
 
 def write_json(path: Path, obj: Any) -> Path:
+    return write_text(path, _compact(json.dumps(obj, indent=1, sort_keys=True, default=str)) + "\n")
+
+
+def write_text(path: Path, text: str) -> Path:
+    """Write atomically: a temp file in the same folder (a dot-name no reader takes for a record),
+    fsync, rename. A reader sees the old file or the new one, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             os.fchmod(f.fileno(), 0o666 & ~_UMASK)  # mkstemp's 0600 would hide a shared history from its readers
-            f.write(_compact(json.dumps(obj, indent=1, sort_keys=True, default=str)))
-            f.write("\n")
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -1,0 +1,422 @@
+"""The gate fails closed. Each test copies a slice of the committed history (the newest measured
+commit's records and asv results, and the asv result of the commit before it), damages it the way a
+careful user found it damaged, and runs `tilepilot gate` as a user would: it asserts the exit status,
+that no traceback reaches the terminal, and the line that names the file or the case."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+HISTORY = ROOT / "results"
+COMMIT = "9cbeb3879cddf8595bedd3260d26ebb5f33d5dc8"  # measured twice on the H200, clean tree
+PREVIOUS = "7bc726d7331aa778a72a1c91fa8709c09ccde08e"  # the measured commit before it in git history
+MACHINE = "sm90-h200"
+NEWEST = "20261203T134324Z"
+SHIPPED = "gemm/odd-4097/float16/nt"  # TileLang ships here (kernels/configs/sm90.toml)
+KEPT = "gemm/llama8b-o-t4096/float16/nt"  # the framework op ships here
+
+
+def _asv_file(commit: str) -> Path:
+    (f,) = (HISTORY / "asv" / MACHINE).glob(f"{commit[:8]}-*.json")
+    return f
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The slice of the committed history that the gate needs for COMMIT, copied once."""
+    dst = tmp_path_factory.mktemp("pristine") / "results"
+    shutil.copytree(HISTORY / "records" / MACHINE / COMMIT, dst / "records" / MACHINE / COMMIT)
+    (dst / "asv" / MACHINE).mkdir(parents=True)
+    for f in (HISTORY / "asv" / MACHINE / "machine.json", _asv_file(COMMIT), _asv_file(PREVIOUS)):
+        shutil.copy2(f, dst / "asv" / MACHINE / f.name)
+    shutil.copy2(HISTORY / "asv" / "benchmarks.json", dst / "asv" / "benchmarks.json")
+    return dst
+
+
+@pytest.fixture
+def tree(pristine: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "results"
+    shutil.copytree(pristine, dst, symlinks=True)
+    return dst
+
+
+def gate(results: Path, tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "tilepilot",
+        "gate",
+        "--commit",
+        COMMIT,
+        "--results",
+        str(results),
+        "--out",
+        str(tmp_path / "gate"),
+        *args,
+    ]
+    full = {**os.environ, "TMPDIR": str(tmp_path), **env}
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=full, timeout=300, check=False)
+    assert "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+    return r
+
+
+def fails(r: subprocess.CompletedProcess[str], *needles: str) -> None:
+    """A FAIL verdict whose report (the terminal, or gate.md where the terminal shows the first lines)
+    names each needle."""
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "gate FAIL" in out, out
+    report = Path(out.split("wrote ")[-1].split(" and gate.json")[0])
+    out += report.read_text() if report.is_file() else ""
+    for n in needles:
+        assert n in out, f"{n!r} not in:\n{out}"
+
+
+def run_dir(tree: Path, rid: str = NEWEST, machine: str = MACHINE) -> Path:
+    return tree / "records" / machine / COMMIT / rid
+
+
+def edit(path: Path, change: Callable[[Any], Any]) -> None:
+    """Change a record in place (what `change` returns is ignored)."""
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def edit_asv(tree: Path, commit: str, track: str, case: str, **cols: Any) -> None:
+    """Set columns (result, samples, ...) of one case of one track in an asv result file, as asv stores
+    them: a list per column, one item per parameter."""
+    (f,) = (tree / "asv" / MACHINE).glob(f"{commit[:8]}-*.json")
+    data = json.loads(f.read_text())
+    columns = data["result_columns"]
+    (key,) = [k for k in data["results"] if k.endswith("." + track) and f"'{case}'" in data["results"][k][1][0]]
+    row = data["results"][key]
+    i = row[1][0].index(f"'{case}'")
+    for col, value in cols.items():
+        if col == "date":
+            continue
+        row[columns.index(col)][i] = value
+    if "date" in cols:
+        data["date"] = cols["date"]
+    f.write_text(json.dumps(data))
+
+
+# ---------------------------------------------------------------------------------------------
+# The committed history
+
+
+def test_the_committed_run_passes(tree: Path, tmp_path: Path) -> None:
+    r = gate(tree, tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    verdict = json.loads((tmp_path / "gate" / "gate.json").read_text())
+    assert verdict["pass"] is True and verdict["commit"] == COMMIT
+    (sm90,) = [d for d in verdict["devices"] if d["device"] == "sm90"]
+    assert sm90["run"] == NEWEST and sm90["baseline"] == PREVIOUS
+    md = (tmp_path / "gate" / "gate.md").read_text()
+    assert md.startswith("# Release gate: PASS") and f"`{PREVIOUS}`" in md
+    # A faster kernel that does not ship says why (the config's rule, an edge shape).
+    assert "gemm/odd-k77/bfloat16/nn" in md and "framework kept (1.1" in md and "an edge shape" in md
+
+
+# ---------------------------------------------------------------------------------------------
+# asv: missing, non-finite, foreign, out of order
+
+
+def test_missing_asv_result_of_the_commit_fails(tree: Path, tmp_path: Path) -> None:
+    # A merge interrupted after the records landed but before the asv files.
+    (tree / "asv" / MACHINE / _asv_file(COMMIT).name).unlink()
+    fails(gate(tree, tmp_path), f"no asv result of commit {COMMIT[:12]}")
+
+
+def test_missing_asv_machine_folder_fails(tree: Path, tmp_path: Path) -> None:
+    shutil.rmtree(tree / "asv" / MACHINE)
+    fails(gate(tree, tmp_path), f"asv/{MACHINE}: missing")
+
+
+@pytest.mark.parametrize("value", [float("nan"), None])
+def test_nan_or_null_asv_value_fails_naming_the_case(tree: Path, tmp_path: Path, value: float | None) -> None:
+    edit_asv(tree, COMMIT, "track_kernel_ms", KEPT, result=value)
+    fails(gate(tree, tmp_path), f"{KEPT}: track_kernel_ms is {value!r}, not a measured value")
+
+
+def test_asv_value_that_disagrees_with_its_record_fails(tree: Path, tmp_path: Path) -> None:
+    edit_asv(tree, COMMIT, "track_reference_ms", KEPT, result=0.5)
+    fails(gate(tree, tmp_path), f"{KEPT}: track_reference_ms 0.5 ms disagrees with measure-gemm.json")
+
+
+def test_regression_of_a_shipped_kernel_fails_even_when_asv_dates_are_out_of_order(tree: Path, tmp_path: Path) -> None:
+    # The record and asv agree on a 30% slower shipped kernel; the commit's asv date is older than the
+    # previous commit's, which used to skip the check.
+    m = run_dir(tree) / "measure-gemm.json"
+    data = json.loads(m.read_text())
+    side = data["cases"][SHIPPED]["kernel"]
+    side["samples_ms"] = [round(x * 1.3, 5) for x in side["samples_ms"]]
+    side["median_ms"] = sorted(side["samples_ms"])[len(side["samples_ms"]) // 2]
+    data["cases"][SHIPPED]["speedup"] = data["cases"][SHIPPED]["reference"]["median_ms"] / side["median_ms"]
+    m.write_text(json.dumps(data))
+    import statistics
+
+    edit_asv(
+        tree,
+        COMMIT,
+        "track_kernel_ms",
+        SHIPPED,
+        result=statistics.median(side["samples_ms"]),
+        samples=side["samples_ms"],
+        date=1,
+    )
+    fails(gate(tree, tmp_path), f"regression: {SHIPPED}:", f"against {PREVIOUS[:8]}")
+
+
+def test_regression_of_a_kernel_kept_behind_the_framework_is_a_note(tree: Path, tmp_path: Path) -> None:
+    prev = json.loads(_asv_file(PREVIOUS).read_text())
+    (key,) = [k for k in prev["results"] if k.endswith("TrackGemm.track_kernel_ms")]
+    row = prev["results"][key]
+    i = row[1][0].index(f"'{KEPT}'")
+    edit_asv(
+        tree,
+        PREVIOUS,
+        "track_kernel_ms",
+        KEPT,
+        result=row[0][i] / 2,
+        samples=[x / 2 for x in row[prev["result_columns"].index("samples")][i]],
+    )
+    r = gate(tree, tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"kernel not shipped, slower than before: {KEPT}" in (tmp_path / "gate" / "gate.md").read_text()
+
+
+def test_regression_check_that_cannot_be_made_fails_a_shipped_case(tree: Path, tmp_path: Path) -> None:
+    edit_asv(tree, PREVIOUS, "track_kernel_ms", SHIPPED, result=None)
+    fails(gate(tree, tmp_path), f"regression check impossible: {SHIPPED}: the previous commit {PREVIOUS[:8]}")
+
+
+def test_machine_json_of_another_gpu_fails(tree: Path, tmp_path: Path) -> None:
+    edit(tree / "asv" / MACHINE / "machine.json", lambda d: d["tilepilot"]["gpu"].update(name="NVIDIA A100-SXM4-80GB"))
+    fails(gate(tree, tmp_path), "machine.json: GPU 'NVIDIA A100-SXM4-80GB' is not one of H100, H200")
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements: the cases the matrix expects, finite, typed
+
+
+def test_shipped_kernel_whose_measurement_raised_fails(tree: Path, tmp_path: Path) -> None:
+    edit(
+        run_dir(tree) / "measure-gemm.json", lambda d: d["cases"].update({SHIPPED: {"case": SHIPPED, "error": "boom"}})
+    )
+    fails(gate(tree, tmp_path), f"{SHIPPED}: the measurement raised: boom")
+
+
+def test_empty_or_incomplete_measure_tables_fail(tree: Path, tmp_path: Path) -> None:
+    edit(run_dir(tree) / "measure-attention.json", lambda d: d.update(cases={}))
+    edit(run_dir(tree) / "measure-gemm.json", lambda d: d["cases"].pop(KEPT))
+    edit(run_dir(tree) / "model.json", lambda d: d.update(cases={}))
+    r = gate(tree, tmp_path)
+    fails(
+        r,
+        f"{KEPT}: not measured",
+        "attention/llama8b-s4096/float16/none: not measured",
+        "model/llama-block-t4096/float16: not measured",
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("speedup", float("nan"), "speedup: input should be a finite number"),
+        ("speedup", float("inf"), "speedup: input should be a finite number"),
+        ("kernel.peak_mib", float("nan"), "kernel.peak_mib: input should be a finite number"),
+        ("kernel.median_ms", "0.28", "kernel.median_ms: input should be a valid number, got '0.28'"),
+        ("shipped", 1, "shipped: input should be 'tilelang' or 'framework', got 1"),
+        ("kernel", [], "kernel: input should be a valid dictionary"),
+    ],
+)
+def test_non_finite_and_wrongly_typed_values_fail(
+    tree: Path, tmp_path: Path, field: str, value: Any, needle: str
+) -> None:
+    def change(d: Any) -> None:
+        *path, last = field.split(".")
+        target = d["cases"][SHIPPED]
+        for p in path:
+            target = target[p]
+        target[last] = value
+
+    edit(run_dir(tree) / "measure-gemm.json", change)
+    fails(gate(tree, tmp_path), f"measure-gemm.json: {SHIPPED}: {needle}")
+
+
+@pytest.mark.parametrize(
+    ("value", "needle"),
+    [
+        ("false", "gpu_run: input should be a valid boolean, got 'false'"),
+        (1, "gpu_run: input should be a valid boolean, got 1"),
+    ],
+)
+def test_strings_and_numbers_are_not_booleans(tree: Path, tmp_path: Path, value: Any, needle: str) -> None:
+    edit(run_dir(tree) / "run.json", lambda d: d.update(gpu_run=value))
+    fails(gate(tree, tmp_path), f"run.json: {needle}")
+
+
+def test_model_block_with_nan_speedup_or_string_agreement_fails(tree: Path, tmp_path: Path) -> None:
+    def change(d: Any) -> None:
+        d["cases"]["model/llama-block-t4096/float16"]["speedup_shipped"] = float("nan")
+        d["cases"]["model/llama-block-t4096/bfloat16"]["agrees"] = "true"
+
+    edit(run_dir(tree) / "model.json", change)
+    fails(
+        gate(tree, tmp_path),
+        "model/llama-block-t4096/float16: speedup_shipped: input should be a finite number",
+        "model/llama-block-t4096/bfloat16: agrees: input should be a valid boolean",
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Identity: this commit, this device's GPU, a clean tree, no injected faults
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        (lambda d: d.update(commit=PREVIOUS), f"commit '{PREVIOUS}', but it is filed under '{COMMIT}'"),
+        (
+            lambda d: d["env"]["gpu"].update(name="NVIDIA A100-SXM4-80GB"),
+            "GPU 'NVIDIA A100-SXM4-80GB' is not one of sm90's",
+        ),
+        (lambda d: d["env"]["git"].update(dirty=True), "measured from a dirty tree"),
+        (lambda d: d.update(injected="wrong:gemm/*"), "a fault-injection run (wrong:gemm/*)"),
+        (lambda d: d.update(failed=True), "the pilot itself reported failure"),
+        (lambda d: d.update(pattern="gemm/*"), "partial run (--cases gemm/*)"),
+        (lambda d: d.update(unpinned=["torch 2.13.0 != pinned 2.11.0"], allow_unpinned=True), "--allow-unpinned"),
+    ],
+)
+def test_a_record_of_another_commit_gpu_tree_or_kind_of_run_fails(
+    tree: Path, tmp_path: Path, change: Callable[[Any], None], needle: str
+) -> None:
+    edit(run_dir(tree) / "run.json", change)
+    fails(gate(tree, tmp_path), needle)
+
+
+def test_the_newest_run_is_judged_across_machines(tree: Path, tmp_path: Path) -> None:
+    # An alphabetically earlier machine of the device has an older run: the newer run is judged.
+    older = tree / "records" / "sm90-a100x" / COMMIT / "20261201T000000Z"
+    shutil.copytree(run_dir(tree), older)
+    edit(older / "run.json", lambda d: d.update(failed=True))
+    r = gate(tree, tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    # And a newer run on the other machine is the one judged, with its own (missing) asv results.
+    newer = tree / "records" / "sm90-a100x" / COMMIT / "20261204T000000Z"
+    older.rename(newer)
+    fails(gate(tree, tmp_path), "asv/sm90-a100x: missing")
+    assert json.loads((tmp_path / "gate" / "gate.json").read_text())["devices"][0]["machine"] == "sm90-a100x"
+
+
+# ---------------------------------------------------------------------------------------------
+# Correctness
+
+
+def test_correctness_with_too_few_trials_a_failed_kernel_or_a_failed_pytest_fails(tree: Path, tmp_path: Path) -> None:
+    def change(d: Any) -> None:
+        rows = {r["case"]: r for r in d["cases"]}
+        rows[KEPT]["trials"] = []
+        rows["gemm/llama8b-qkv-t4096/float16/nt"]["kernel_status"] = "failed"
+        d["pytest_exit"] = 1
+
+    edit(run_dir(tree) / "correctness.json", change)
+    fails(
+        gate(tree, tmp_path),
+        f"{KEPT}: 0 correctness trials, the matrix asks for 3",
+        "gemm/llama8b-qkv-t4096/float16/nt: the TileLang kernel's own check is failed",
+        "the correctness run exited 1, not 0",
+    )
+
+
+def test_trials_zero_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "matrix.toml"
+    bad.write_text((ROOT / "matrix.toml").read_text().replace("[pilot]\n", "[pilot]\ntrials = 0\n"))
+    r = subprocess.run(
+        [sys.executable, "-m", "tilepilot", "--matrix", str(bad), "gate"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert r.returncode == 2 and "pilot.trials" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounded reading: regular files inside the tree only
+
+
+def test_symlink_out_of_the_tree_is_refused_by_name(tree: Path, tmp_path: Path) -> None:
+    target = run_dir(tree) / "model.json"
+    outside = tmp_path / "elsewhere.json"
+    shutil.move(target, outside)
+    target.symlink_to(outside)
+    fails(gate(tree, tmp_path), "model.json: a symlink; the gate reads regular files inside the results tree only")
+
+
+def test_dev_zero_and_a_fifo_are_refused_without_blocking(tree: Path, tmp_path: Path) -> None:
+    (run_dir(tree) / "model.json").unlink()
+    os.mkfifo(run_dir(tree) / "model.json")
+    (run_dir(tree) / "measure-attention.json").unlink()
+    (run_dir(tree) / "measure-attention.json").symlink_to("/dev/zero")
+    r = gate(tree, tmp_path)  # a blocking read would hit the subprocess timeout
+    fails(r, "model.json: not a regular file (a FIFO); refused", "measure-attention.json: a symlink")
+
+
+def test_an_oversized_record_is_refused(tree: Path, tmp_path: Path) -> None:
+    with (run_dir(tree) / "build.json").open("r+b") as f:
+        f.truncate(65 * 2**20)  # sparse: no disk is spent
+    fails(gate(tree, tmp_path), "build.json: 68157440 bytes, over the 67108864-byte limit of a record; refused")
+
+
+def test_a_symlinked_run_folder_is_refused(tree: Path, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "run-elsewhere"
+    shutil.copytree(run_dir(tree), elsewhere)
+    (run_dir(tree).parent / "20261205T000000Z").symlink_to(elsewhere)
+    fails(gate(tree, tmp_path), "20261205T000000Z: a symlink")
+
+
+def test_a_writers_temporary_folder_is_not_a_run(tree: Path, tmp_path: Path) -> None:
+    # What an interrupted merge or write leaves: a dot-name, never judged as the newest run.
+    partial = run_dir(tree).parent / ".20261205T000000Z.merge-x1y2"
+    shutil.copytree(run_dir(tree), partial)
+    edit(partial / "run.json", lambda d: d.update(failed=True))
+    assert gate(tree, tmp_path).returncode == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Exit statuses a CI can tell apart
+
+
+def test_exit_statuses(tree: Path, tmp_path: Path) -> None:
+    victim = tmp_path / "written-by-git"
+    r = gate(tree, tmp_path, f"--commit=--output={victim}")
+    assert r.returncode == 2 and "--commit" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not victim.exists()
+    r = gate(tree, tmp_path, "--commit", "no-such-revision")
+    assert r.returncode == 2 and "git cannot resolve it" in r.stderr, r.stderr
+    r = gate(tree, tmp_path, TILEPILOT_INJECT="internal:gate")
+    assert r.returncode == 3, r.stdout + r.stderr
+    (log,) = tmp_path.glob("tilepilot-error-*.log")
+    assert "internal error" in r.stderr and str(log) in r.stderr and "Traceback" in log.read_text()
+    out = tmp_path / "not-a-dir"
+    out.write_text("")
+    r = subprocess.run(
+        [sys.executable, "-m", "tilepilot", "gate", "--commit", COMMIT, "--results", str(tree), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert r.returncode == 2 and f"--out {out}" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -1,0 +1,291 @@
+"""What the gate reads, and how: bounded reads inside the results tree, and typed views of the records.
+
+Reading is bounded: regular files only, inside the results tree, up to MAX_BYTES; a symlink, a FIFO
+or a device anywhere on the way is refused by name (a results tree comes from other hosts, and the
+gate must neither follow a link out of it nor block on a pipe nor read /dev/zero until memory runs out).
+
+The typed views are strict: `"false"` is not false, `1` is not true, NaN and Infinity are not numbers.
+A value that does not fit is an EvidenceError naming the file, the case and the field, which the gate
+turns into a FAIL line; it is never coerced and never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tilepilot import record
+
+MAX_BYTES = 64 * 2**20  # the largest committed record is 1.3 MB; asv result files are smaller
+
+
+class EvidenceError(Exception):
+    """Evidence that is missing, unreadable or malformed: one line naming the file (and case)."""
+
+    def __init__(self, path: Path | str, what: str) -> None:
+        super().__init__(f"{path}: {what}")
+        self.path = Path(path)
+        self.what = what
+
+
+def _inside(path: Path, root: Path) -> Path:
+    try:
+        return path.relative_to(root)
+    except ValueError:
+        raise EvidenceError(path, f"outside the results tree {root}; the gate reads nothing else") from None
+
+
+def check_path(path: Path, root: Path, want: Literal["file", "dir"] = "file") -> os.stat_result:
+    """lstat every component from root down to path: each must be a real directory, and path itself a
+    regular file (or directory). Raises EvidenceError naming the first component that is not."""
+    rel = _inside(path, root)
+    cur = root
+    parts = rel.parts
+    for i, part in enumerate(parts):
+        cur = cur / part
+        try:
+            st = os.lstat(cur)
+        except FileNotFoundError:
+            raise EvidenceError(cur, "missing") from None
+        except OSError as exc:
+            raise EvidenceError(cur, f"unreadable ({exc.strerror})") from None
+        last = i == len(parts) - 1
+        if stat.S_ISLNK(st.st_mode):
+            raise EvidenceError(cur, "a symlink; the gate reads regular files inside the results tree only")
+        if not last or want == "dir":
+            if not stat.S_ISDIR(st.st_mode):
+                raise EvidenceError(cur, "not a directory")
+        elif not stat.S_ISREG(st.st_mode):
+            raise EvidenceError(cur, f"not a regular file ({_kind(st.st_mode)}); refused")
+    return os.lstat(path) if parts else os.stat(root)
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+    ):
+        if test(mode):
+            return name
+    return "a special file"
+
+
+def read_bytes(path: Path, root: Path, limit: int = MAX_BYTES) -> bytes:
+    check_path(path, root)
+    try:
+        # O_NOFOLLOW and O_NONBLOCK: a link or a FIFO swapped in after the check still neither
+        # leads out of the tree nor blocks; fstat then sees what was really opened.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise EvidenceError(path, f"unreadable ({exc.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise EvidenceError(path, f"not a regular file ({_kind(st.st_mode)}); refused")
+        if st.st_size > limit:
+            raise EvidenceError(path, f"{st.st_size} bytes, over the {limit}-byte limit of a record; refused")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise EvidenceError(path, f"over the {limit}-byte limit of a record; refused")
+    return data
+
+
+def read_json(path: Path, root: Path) -> Any:
+    try:
+        return json.loads(read_bytes(path, root).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise EvidenceError(path, f"corrupt JSON ({exc})") from None
+
+
+def subdirs(path: Path, root: Path) -> Iterator[Path]:
+    """The folders in path, in name order. Dot-names are a writer's temporaries (an atomic write or a
+    merge in progress), never runs; a symlink or a file where a folder belongs is refused by name."""
+    check_path(path, root, "dir")
+    for child in sorted(path.iterdir()):
+        if child.name.startswith("."):
+            continue
+        st = os.lstat(child)
+        if stat.S_ISLNK(st.st_mode):
+            raise EvidenceError(child, "a symlink; the gate reads regular files inside the results tree only")
+        if stat.S_ISDIR(st.st_mode):
+            yield child
+
+
+# ---------------------------------------------------------------------------------------------
+# Typed views of the records: only the fields the gate judges, strictly; other fields are kept as
+# they are (extra="allow") so that a newer writer's additions do not fail an older gate.
+
+
+class _View(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
+
+
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class Gpu(_View):
+    name: str | None = None
+    driver: str | None = None
+
+
+class Git(_View):
+    commit: str | None
+    dirty: bool | None
+
+
+class Torch(_View):
+    version: str
+
+
+class Env(_View):
+    gpu: Gpu
+    git: Git
+    python: str
+    torch: Torch
+    tilelang: str | None
+
+
+class Header(_View):
+    """What every run, build and correctness record says about where it came from."""
+
+    kind: str
+    schema_: Literal[1] = Field(alias="schema")
+    complete: Literal[True]
+    device: str
+    machine: str
+    commit: str
+    run: str
+    gpu_run: bool
+    pattern: str | None
+    env: Env
+
+
+class RunRecord(Header):
+    kind: Literal["run"]
+    failed: bool
+    injected: str | None = None
+    unpinned: list[str] = []
+    allow_unpinned: bool = False
+
+
+class BuildCase(_View):
+    case: str
+    status: str
+
+
+class BuildRecord(Header):
+    kind: Literal["build"]
+    cases: list[BuildCase]
+
+
+class Trial(_View):
+    ok: bool
+
+
+class CorrectnessRow(_View):
+    case: str
+    status: Literal["passed", "fallback", "failed", "error", "skipped"]
+    backend: str = ""
+    kernel_status: Literal["passed", "failed", "not-built"] | None = None
+    trials: list[Trial] = []
+
+
+class TestOutcome(_View):
+    outcome: Literal["passed", "failed", "skipped", "error"]
+
+
+class CorrectnessRecord(Header):
+    kind: Literal["correctness"]
+    cases: list[CorrectnessRow]
+    tests: dict[str, TestOutcome] = {}
+    pytest_exit: int
+
+
+class Side(_View):
+    median_ms: Positive
+    peak_mib: NonNegative
+    samples_ms: Annotated[list[Finite], Field(min_length=1)]
+
+
+class MeasuredCase(_View):
+    group: Literal["representative", "edge"]
+    shipped: Literal["tilelang", "framework"]
+    reference: Side
+    kernel: Side | None
+    speedup: Positive | None = None
+    suspect: list[str]
+
+
+class MeasureRecord(_View):
+    kind: Literal["measure"]
+    schema_: Literal[1] = Field(alias="schema")
+    complete: Literal[True]
+    device: str
+    op: str
+    cases: dict[str, dict[str, Any]]  # each judged on its own (MeasuredCase), so one bad case names itself
+
+
+class ModelSide(_View):
+    median_ms: Positive
+    peak_mib: NonNegative
+    rel_fro: NonNegative
+    samples_ms: Annotated[list[Finite], Field(min_length=1)]
+
+
+class ModelCase(_View):
+    agrees: bool
+    tolerance: Positive
+    speedup_shipped: Positive
+    speedup_tilelang: Positive
+    framework: ModelSide
+    shipped: ModelSide
+    tilelang: ModelSide
+
+
+class ModelRecord(_View):
+    kind: Literal["model"]
+    schema_: Literal[1] = Field(alias="schema")
+    complete: Literal[True]
+    device: str
+    cases: dict[str, dict[str, Any]]
+
+
+V = TypeVar("V", bound=BaseModel)
+
+
+def _first_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]).replace("schema_", "schema") or "(top level)"
+    got = first.get("input")
+    shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
+    more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
+    return f"{loc}: {first['msg'].lower()}, got {shown}{more}"
+
+
+def view(model: type[V], data: Any, path: Path, case: str = "") -> V:
+    """data as `model`, or an EvidenceError naming the file, the case and the first bad field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        where = f"{case}: " if case else ""
+        raise EvidenceError(path, f"{where}{_first_error(exc)}") from None
+
+
+def load(model: type[V], path: Path, root: Path) -> V:
+    return view(model, read_json(path, root), path)
+
+
+def results_root(results: Path | None = None) -> Path:
+    """The results tree, resolved once: the caller's, else the one record points at."""
+    return (results or record.RESULTS).resolve()
