@@ -18,14 +18,13 @@ import datetime as dt
 import json
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from tilepilot import envinfo, matrix, record
+from tilepilot import envinfo, matrix, quoting, record
 from tilepilot.errors import UserError
 
 ROOT = record.ROOT
@@ -40,7 +39,7 @@ def _render(name: str, **values: Any) -> str:
 
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True)  # fmt: skip
-    env.filters["q"] = lambda v: shlex.quote(str(v))
+    env.filters.update(quoting.SHELL_FILTERS)
     return env.get_template(name).render(**values)
 
 
@@ -56,7 +55,7 @@ def render_job(mx: matrix.Matrix, device: str, sid: str, stage: Path, matrix_pat
     if row.slurm is None:
         raise UserError(f"{matrix_path}: devices.{device}.slurm: missing; --engine slurm needs its partition "
                         "(and gres, constraint, time, account) there")  # fmt: skip
-    args = "".join(" " + shlex.quote(a) for a in pilot_args)
+    args = "".join(" " + quoting.sh(a) for a in pilot_args)
     return _render("pilot.sbatch.j2", device=device, row=row, s=row.slurm, sid=sid, stage=stage, root=ROOT,
                    matrix=matrix_path, commit=commit, python=python, args=args,
                    gpu_flag="--rocm" if row.vendor == "amd" else "--nv")  # fmt: skip
