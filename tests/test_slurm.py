@@ -285,6 +285,31 @@ def test_job_script_keeps_values_that_bypassed_the_schema_in_their_line(runtime:
     assert out == args[1] + HOSTILE
 
 
+def test_a_cases_pattern_that_matches_nothing_queues_nothing(tmp_path: Path) -> None:
+    """Checked against the matrix before any sbatch: a stand-in sbatch first on PATH records its calls."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "sbatch-calls"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/sh\necho "$@" >> {calls}\necho 4242\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    env = {**os.environ, "TILEPILOT_JOBS": str(tmp_path / "jobs"), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    for pattern in ("gemm/no-such-shape/*", "nope"):
+        r = tilepilot("submit", "--engine", "slurm", "--devices", "sm90,sm80", "--cases", pattern, env=env)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert f"--cases {pattern!r} matches no case" in r.stderr, r.stderr
+    assert not calls.exists() and not any((tmp_path / "jobs").glob("*"))
+    r = tilepilot("submit", "--engine", "slurm", "--devices", "sm90", "--gate-partition", "gpu\nx", env=env)
+    assert r.returncode == 2 and "--gate-partition 'gpu\\nx': not a Slurm partition name" in r.stderr, r.stderr
+    assert not calls.exists()
+
+    # A pattern that matches: the same command queues both jobs (so the stand-in would have seen a wrong one).
+    r = tilepilot("submit", "--engine", "slurm", "--devices", "sm90", "--cases", "gemm/tiny-16/*", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert len(calls.read_text().splitlines()) == 2  # the pilot job, then the gate job
+    (script,) = (tmp_path / "jobs").glob("*/sm90/job.sbatch")
+    assert "--cases 'gemm/tiny-16/*'" in script.read_text()
+
+
 def test_gate_script_keeps_values_in_their_line(tmp_path: Path) -> None:
     from tilepilot import slurm
 
