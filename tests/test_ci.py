@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,31 @@ def test_actionlint_rejects_a_broken_workflow(actionlint: Path, tmp_path: Path) 
     broken.write_text(text)
     kinds = {str(e["kind"]) for e in _lint(actionlint, broken)}
     assert {"job-needs", "runner-label"} <= kinds, kinds
+
+
+def test_render_out_writes_only_inside_the_folder_it_names(tmp_path: Path) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "tilepilot", "ci", "render", *args],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            check=False,
+        )
+
+    committed = {p: p.read_text() for p in (ci.WORKFLOW, ci.ACTIONLINT)}
+    out = tmp_path / "a" / "b" / "gh"
+    r = cli("--out", str(out))
+    assert r.returncode == 0, r.stderr
+    written = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    assert written == [out / "actionlint.yaml", out / "workflows" / "pilot.yml"], written
+    mx = matrix.load()
+    assert (out / "workflows" / "pilot.yml").read_text() == ci.render(mx)
+    assert (out / "actionlint.yaml").read_text() == ci.render_actionlint_config(mx)
+    # A file name (the old meaning of --out) is refused in one line, and nothing is written.
+    r = cli("--out", str(tmp_path / "pilot.yml"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "--out takes a folder (like .github)" in r.stderr
+    assert sorted(p for p in tmp_path.rglob("*") if p.is_file()) == written
+    assert {p: p.read_text() for p in committed} == committed  # the repository's own files untouched
+    assert "nothing outside it" in " ".join(cli("--help").stdout.split())

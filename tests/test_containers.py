@@ -199,3 +199,41 @@ def test_version_check_fails_the_build_with_the_diff(smoke: dict[str, Path], tmp
     assert r.returncode == 2
     assert "torch: pinned 2.12.0, installed 2.13.0" in r.stdout
     assert "image build for cpu failed" in r.stderr.strip().splitlines()[-1]
+
+
+# A value that went around the schema (model_copy does not validate): a newline, a quote of each
+# kind, a command substitution, a variable, a backslash and a Unicode line separator.
+HOSTILE = "\nRUN touch /pwned\n# '\"$(touch /pwned)`id`${HOME}\\\u2028x"
+
+
+def _instructions(dockerfile: str) -> list[str]:
+    """The instruction of each line that starts one (continuations are indented, comments start #)."""
+    return [ln.split()[0] for ln in dockerfile.split("\n") if ln.strip() and not ln[0].isspace() and ln[0] != "#"]
+
+
+@pytest.mark.parametrize("device", ["sm90", "gfx942", "cpu"])
+def test_render_keeps_a_value_that_bypassed_the_schema_in_its_line(
+    device: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tilepilot import containers
+
+    mx = matrix.load(smoke_matrix(tmp_path / "matrix.toml"))
+    row = mx.devices[device]
+    keys = ("name", "python", "torch", "tilelang", "toolkit_version", "base_image", "base_digest")
+    bad_row = row.model_copy(update={k: getattr(row, k) + HOSTILE for k in keys})
+    hostile = mx.model_copy(update={"devices": {**mx.devices, device: bad_row}})
+    monkeypatch.setenv("PIP_INDEX_URL", "https://pypi.example/simple")
+    good = containers.render(mx, device)
+    monkeypatch.setenv("PIP_INDEX_URL", "https://pypi.example/simple" + HOSTILE)
+    bad = containers.render(hostile, device)
+
+    assert bad.count("touch /pwned") > good.count("touch /pwned")  # the values are in it ...
+    assert len(bad.split("\n")) == len(good.split("\n"))  # ... and add no line
+    assert len(bad.splitlines()) == len(good.splitlines())  # (nor one that a Unicode-aware reader sees)
+    assert _instructions(bad) == _instructions(good)
+    assert _instructions(good).count("RUN") == (3 if row.vendor != "cpu" else 2)
+    # The version check gets the pins exactly: JSON inside the exec form, whatever they hold.
+    (check,) = [ln for ln in bad.split("\n") if "check_versions.py" in ln and ln.startswith("RUN")]
+    argv = json.loads(check.removeprefix("RUN "))
+    assert argv[:2] == ["/opt/venv/bin/python", "/opt/tilepilot/check_versions.py"]
+    assert json.loads(argv[2])["torch"] == row.torch + HOSTILE

@@ -45,20 +45,55 @@ def test_cases_cover_the_matrix() -> None:
 
 BAD = [
     ("unknown key", lambda t: t.replace("[gate]\n", "[gate]\ncolour = 1\n"), r"gate\.colour: unknown key"),
-    ("wrong type", lambda t: t.replace("min_speedup = 1.0 ", 'min_speedup = "fast" ', 1), r"operators\.gemm\.min_speedup: "),
+    (
+        "wrong type",
+        lambda t: t.replace("min_speedup = 1.0 ", 'min_speedup = "fast" ', 1),
+        r"operators\.gemm\.min_speedup: ",
+    ),
     ("unknown device", lambda t: t.replace('required = ["sm90"]', 'required = ["sm99"]'), r"unknown device 'sm99'"),
-    ("unknown dtype", lambda t: t.replace('dtypes = ["float16", "bfloat16"]', 'dtypes = ["float16", "fp8"]', 1),
-     r"operators\.gemm\.dtypes\.1: .*'fp8'"),
-    ("non-positive size", lambda t: t.replace("m = 1\n", "m = 0\n", 1), r"operators\.gemm\.shapes\.edge\.0\.m: .*greater than 0"),
-    ("missing field", lambda t: t.replace('torch = "2.11.0"\n', "", 1), r"devices\.sm90\.torch: required key is missing"),
+    (
+        "unknown dtype",
+        lambda t: t.replace('dtypes = ["float16", "bfloat16"]', 'dtypes = ["float16", "fp8"]', 1),
+        r"operators\.gemm\.dtypes\.1: .*'fp8'",
+    ),
+    (
+        "non-positive size",
+        lambda t: t.replace("m = 1\n", "m = 0\n", 1),
+        r"operators\.gemm\.shapes\.edge\.0\.m: .*greater than 0",
+    ),
+    (
+        "missing field",
+        lambda t: t.replace('torch = "2.11.0"\n', "", 1),
+        r"devices\.sm90\.torch: required key is missing",
+    ),
     ("not toml", lambda t: t + "\n[[[", r"not valid TOML"),
     ("schema", lambda t: t.replace("schema = 1", "schema = 2"), r"schema: .*got 2"),
-    ("slurm time", lambda t: t.replace('time = "00:30:00"', 'time = "half an hour"', 1), r"devices\.sm90\.slurm\.time: "),
-    ("slurm runtime", lambda t: t.replace('runtime = "host"', 'runtime = "docker"', 1), r"devices\.sm90\.slurm\.runtime: .*'docker'"),
-    ("apptainer image", lambda t: t.replace('runtime = "host"', 'runtime = "apptainer"', 1), r"devices\.sm90\.slurm: .*needs image"),
-    ("runner label", lambda t: t.replace('"x64", "sm90"]', '"x64", "sm 90"]', 1), r"devices\.sm90\.github\.labels\.2: "),
-    ("gqa", lambda t: t.replace("kv_heads = 8\nseq_q = 4096", "kv_heads = 7\nseq_q = 4096", 1), r"multiple of kv_heads"),
-]  # fmt: skip
+    (
+        "slurm time",
+        lambda t: t.replace('time = "00:30:00"', 'time = "half an hour"', 1),
+        r"devices\.sm90\.slurm\.time: ",
+    ),
+    (
+        "slurm runtime",
+        lambda t: t.replace('runtime = "host"', 'runtime = "docker"', 1),
+        r"devices\.sm90\.slurm\.runtime: .*'docker'",
+    ),
+    (
+        "apptainer image",
+        lambda t: t.replace('runtime = "host"', 'runtime = "apptainer"', 1),
+        r"devices\.sm90\.slurm: .*needs image",
+    ),
+    (
+        "runner label",
+        lambda t: t.replace('"x64", "sm90"]', '"x64", "sm 90"]', 1),
+        r"devices\.sm90\.github\.labels\.2: ",
+    ),
+    (
+        "gqa",
+        lambda t: t.replace("kv_heads = 8\nseq_q = 4096", "kv_heads = 7\nseq_q = 4096", 1),
+        r"multiple of kv_heads",
+    ),
+]
 
 
 @pytest.mark.parametrize(("name", "edit", "pattern"), BAD, ids=[b[0] for b in BAD])
@@ -80,3 +115,133 @@ def test_missing_file_and_unknown_device(tmp_path: Path) -> None:
     assert r.returncode == 2 and "no such file" in r.stderr
     r = cli("pilot", "--device", "sm99", "--host")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "unknown device 'sm99'" in r.stderr
+
+
+# Values that would add a line or a command to a generated Dockerfile, sbatch script or workflow: the
+# schema refuses each, naming the key and what would be valid. (TOML "\n" is a newline in the value.)
+HOSTILE = [
+    (
+        "torch newline",
+        'torch = "2.11.0"',
+        r'torch = "2.11.0\nRUN touch /pwned"',
+        r"devices\.sm90\.torch: .*want a version",
+    ),
+    (
+        "tilelang quote",
+        'tilelang = "0.1.15"',
+        "tilelang = \"0.1.15' && touch /pwned '\"",
+        r"devices\.sm90\.tilelang: .*want a version",
+    ),
+    (
+        "toolkit_version",
+        'toolkit_version = "13.0"',
+        r'toolkit_version = "13.0\"\nRUN x"',
+        r"devices\.sm90\.toolkit_version: .*want a version",
+    ),
+    ("min_driver", 'min_driver = "580"', 'min_driver = "580; reboot"', r"devices\.sm90\.min_driver: .*want a version"),
+    (
+        "toolkit none",
+        'toolkit_version = "13.0"',
+        'toolkit_version = "none"',
+        r"devices\.sm90: toolkit_version of a device with toolkit 'cuda' must be the cuda version",
+    ),
+    (
+        "base_image",
+        'base_image = "nvidia/cuda:13.0.0-devel-ubuntu24.04"',
+        r'base_image = "nvidia/cuda:13.0.0-devel-ubuntu24.04\nRUN touch /pwned"',
+        r"devices\.sm90\.base_image: .*want an image reference \[registry/\]name\[:tag\]",
+    ),
+    (
+        "name quote",
+        'name = "NVIDIA H100/H200 (Hopper)"',
+        r'name = "NVIDIA \"H100\""',
+        r"devices\.sm90\.name: .*want one line of printable text without quotes",
+    ),
+    ("name command", 'name = "NVIDIA H100/H200 (Hopper)"', 'name = "H100 $(reboot)"', r"devices\.sm90\.name: "),
+    ("arch", 'arch = "sm_90a"  ', r'arch = "sm_90a\nRUN x"  ', r"devices\.sm90\.arch: .*letters, digits"),
+    (
+        "torch_index",
+        'torch_index = "https://download.pytorch.org/whl/cu130"',
+        'torch_index = "https://x.org/\' evil"',
+        r"devices\.sm90\.torch_index: .*want an http\(s\) URL",
+    ),
+    (
+        "operator reference",
+        'reference = "torch.matmul"',
+        'reference = "torch.matmul; rm"',
+        r"pilot\.operators\.gemm\.reference: .*dotted Python name",
+    ),
+    (
+        "partition",
+        'partition = "gpu"',
+        r'partition = "gpu\nrm -rf ~"',
+        r"devices\.sm90\.slurm\.partition: .*want a Slurm partition name",
+    ),
+    ("gres", 'gres = "gpu:h100:1"', 'gres = "gpu:h100:1 --uid=0"', r"devices\.sm90\.slurm\.gres: .*want a Slurm gres"),
+    (
+        "constraint",
+        'constraint = "h100|h200"',
+        r'constraint = "h100\nrm"',
+        r"devices\.sm90\.slurm\.constraint: .*want Slurm features",
+    ),
+    (
+        "account",
+        'runtime = "host"',
+        'runtime = "host"\naccount = "lab;id"',
+        r"devices\.sm90\.slurm\.account: .*want a Slurm account name",
+    ),
+    (
+        "image",
+        'runtime = "host"',
+        'runtime = "apptainer"\nimage = "/x.sif\\ntouch /pwned"',
+        r"devices\.sm90\.slurm\.image: .*want an image reference",
+    ),
+    (
+        "setup",
+        'runtime = "host"',
+        'runtime = "host"\nsetup = ["module load cuda\\nrm -rf ~"]',
+        r"devices\.sm90\.slurm\.setup\.0: .*want one shell line",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "old", "new", "pattern"), HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_value_is_refused_in_one_line(tmp_path: Path, name: str, old: str, new: str, pattern: str) -> None:
+    assert old in GOOD, f"the {name} edit does not apply"
+    bad = tmp_path / "matrix.toml"
+    bad.write_text(GOOD.replace(old, new, 1))
+    r = cli("--matrix", str(bad), "matrix", "check")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith(f"tilepilot: error: {bad}: ") and re.search(pattern, lines[0]), lines[0]
+
+
+def test_valid_values_of_each_grammar_are_accepted() -> None:
+    row = matrix.load().devices["sm90"].model_dump()
+    digest = "sha256:" + "0" * 64
+    for key, value in [
+        ("torch", "2.11.0+cu130"),
+        ("torch", "2.12.0rc1"),
+        ("tilelang", "0.1.15.post1"),
+        ("min_driver", "580.65.06"),
+        ("base_image", f"nvcr.io/nvidia/pytorch:25.01-py3@{digest}"),
+        ("base_image", "localhost:5000/tp/base"),
+        ("torch_index", ""),
+        ("torch_index", "http://mirror.local:8080/whl/cu130"),
+        ("name", "NVIDIA B200 (Blackwell)"),
+    ]:
+        assert getattr(matrix.Device.model_validate({**row, key: value}), key) == value
+    for key, value in [
+        ("partition", "gpu,gpu-long"),
+        ("gres", "gpu:h100:1,shard:2"),
+        ("constraint", "[rack1*2&rack2*4]|(h100&ib)"),
+        ("account", "lab_42"),
+        ("image", "docker://nvcr.io/nvidia/pytorch:25.01-py3"),
+        ("image", "/shared/tp.sif"),
+        ("image", "nvcr.io#nvidia/pytorch:25.01-py3"),
+        ("image", "./tp.sqsh"),
+        ("setup", ["module load cuda/13.0"]),
+    ]:
+        slurm = {**row["slurm"], key: value, **({"runtime": "pyxis"} if key == "image" else {})}
+        assert getattr(matrix.Slurm.model_validate(slurm), key) == value

@@ -194,3 +194,144 @@ def test_a_job_sbatch_refuses_cancels_the_ones_already_queued(cluster: None, tmp
     q = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, check=False)
     assert "JobState=CANCELLED" in q.stdout, q.stdout
     assert not any((tmp_path / "jobs").glob("*"))
+
+
+# -- rendering, everywhere ----------------------------------------------------------------------------
+
+# A value that went around the schema (model_copy does not validate): a newline, quotes of each kind,
+# a command substitution, a variable, a comment, whitespace and a backslash.
+HOSTILE = "\ntouch /tmp/pwned # '\"$(touch /tmp/pwned)`id`${HOME}\\"
+
+
+def _sbatch_words(line: str) -> list[str]:
+    """The arguments sbatch takes from one #SBATCH line (its parser: whitespace splits, quotes group,
+    backslash escapes, an unescaped # ends the line)."""
+    words: list[str] = []
+    word, quote, escape, i = None, "", False, 0
+    text = line.removeprefix("#SBATCH")
+    while i < len(text):
+        c = text[i]
+        i += 1
+        if escape:
+            escape, word = False, (word or "") + c
+        elif c == "\\":
+            escape = True
+        elif quote:
+            word, quote = ((word or "") + c, quote) if c != quote else (word or "", "")
+        elif c in "\"'":
+            quote, word = c, word or ""
+        elif c == "#":
+            break
+        elif c.isspace():
+            if word is not None:
+                words.append(word)
+            word = None
+        else:
+            word = (word or "") + c
+    assert not quote, f"unmatched quote in {line!r}"
+    return words + ([word] if word is not None else [])
+
+
+def _kinds(script: str) -> list[str]:
+    return [
+        "sbatch" if ln.startswith("#SBATCH") else "comment" if ln.startswith("#") else "shell"
+        for ln in script.split("\n")
+    ]
+
+
+@pytest.mark.parametrize("runtime", ["host", "apptainer", "pyxis"])
+def test_job_script_keeps_values_that_bypassed_the_schema_in_their_line(runtime: str, tmp_path: Path) -> None:
+    from tilepilot import matrix, slurm
+
+    mx = matrix.load()
+    row = mx.devices["sm90"]
+    assert row.slurm is not None
+    site = {"runtime": runtime, "image": "/shared/tp.sif", "account": "lab", "setup": ["module load cuda/13.0"]}
+    good_s = row.slurm.model_copy(update=site)
+    bad_s = good_s.model_copy(
+        update={
+            **{
+                k: getattr(good_s, k) + HOSTILE for k in ("partition", "gres", "constraint", "account", "time", "image")
+            },
+            "setup": [line + HOSTILE for line in good_s.setup],
+        }
+    )
+    good_mx = mx.model_copy(update={"devices": {**mx.devices, "sm90": row.model_copy(update={"slurm": good_s})}})
+    bad_row = row.model_copy(update={"slurm": bad_s, "name": row.name + HOSTILE})
+    bad_mx = mx.model_copy(update={"devices": {**mx.devices, "sm90": bad_row}})
+    stage = tmp_path / "jobs dir" / "sm90"  # a space in the path, as a site's scratch may have
+    args = ["--cases", "gemm/*/float16/nt"]
+    good = slurm.render_job(good_mx, "sm90", "sid", stage, tmp_path / "m.toml", "abc", sys.executable, args)
+    bad = slurm.render_job(
+        bad_mx, "sm90", "sid", stage, tmp_path / "m.toml", "abc", sys.executable, [args[0], args[1] + HOSTILE]
+    )
+
+    assert bad.count("touch /tmp/pwned") > good.count("touch /tmp/pwned")  # the values are in it ...
+    assert _kinds(bad) == _kinds(good)  # ... and every line is still what it was: no new one
+    # sbatch reads each directive as one option, whatever its value held.
+    for g, b in zip(good.split("\n"), bad.split("\n"), strict=True):
+        if g.startswith("#SBATCH"):
+            (gw,), (bw,) = _sbatch_words(g), _sbatch_words(b)
+            assert bw.split("=", 1)[0] == gw.split("=", 1)[0], (g, b)
+    assert _sbatch_words(f"#SBATCH --output={slurm.quoting.sbatch(stage / 'slurm-%j.out')}") == [
+        f"--output={stage}/slurm-%j.out"
+    ]
+    # bash parses it, and hands the pilot the pattern exactly as given.
+    for script in (good, bad):
+        assert subprocess.run(["bash", "-n"], input=script, text=True, check=False).returncode == 0, script
+    (pilot_line,) = [ln for ln in bad.split("\n") if "-m tilepilot pilot" in ln]
+    echo = pilot_line.split("--cases ", 1)[1].removesuffix(" \\")
+    out = subprocess.run(["bash", "-c", f"printf %s {echo}"], capture_output=True, text=True, check=True).stdout
+    assert out == args[1] + HOSTILE
+
+
+def test_a_cases_pattern_that_matches_nothing_queues_nothing(tmp_path: Path) -> None:
+    """Checked against the matrix before any sbatch: a stand-in sbatch first on PATH records its calls."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "sbatch-calls"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/sh\necho "$@" >> {calls}\necho 4242\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    env = {**os.environ, "TILEPILOT_JOBS": str(tmp_path / "jobs"), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    env.pop("PYTEST_XDIST_WORKER", None)
+    for pattern in ("gemm/no-such-shape/*", "nope"):
+        r = tilepilot("submit", "--engine", "slurm", "--devices", "sm90,sm80", "--cases", pattern, env=env)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert f"--cases {pattern!r} matches no case" in r.stderr, r.stderr
+    assert not calls.exists() and not any((tmp_path / "jobs").glob("*"))
+    r = tilepilot("submit", "--engine", "slurm", "--devices", "sm90", "--gate-partition", "gpu\nx", env=env)
+    assert r.returncode == 2 and "--gate-partition 'gpu\\nx': not a Slurm partition name" in r.stderr, r.stderr
+    assert not calls.exists()
+
+    # A pattern that matches: the same command queues both jobs (so the stand-in would have seen a wrong one).
+    r = tilepilot("submit", "--engine", "slurm", "--devices", "sm90", "--cases", "gemm/tiny-16/*", env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert len(calls.read_text().splitlines()) == 2  # the pilot job, then the gate job
+    (script,) = (tmp_path / "jobs").glob("*/sm90/job.sbatch")
+    assert "--cases 'gemm/tiny-16/*'" in script.read_text()
+
+
+def test_gate_script_keeps_values_in_their_line(tmp_path: Path) -> None:
+    from tilepilot import slurm
+
+    def render(extra: str) -> str:
+        d = tmp_path / f"jobs{extra}"
+        return slurm._render(
+            "gate.sbatch.j2",
+            sid="sid" + extra,
+            dir=d,
+            root=tmp_path,
+            matrix=tmp_path / f"m{extra}",
+            commit="abc" + extra,
+            python=sys.executable,
+            into=str(d / "results"),
+            partition="gpu" + extra,
+            jobs=["1", "2" + extra],
+            html=str(d / "html"),
+        )
+
+    good, bad = render(""), render(HOSTILE)
+    assert _kinds(bad) == _kinds(good) and bad.count("touch /tmp/pwned") > 0
+    for b in bad.split("\n"):
+        if b.startswith("#SBATCH"):
+            assert len(_sbatch_words(b)) == 1, b
+    assert subprocess.run(["bash", "-n"], input=bad, text=True, check=False).returncode == 0, bad

@@ -79,7 +79,14 @@ def _parser() -> argparse.ArgumentParser:
                     help="a second result of the same machine, commit and case: stop (default) or keep both runs' samples")  # fmt: skip
     ci = sub.add_parser("ci", help="GitHub Actions: render .github/workflows/pilot.yml from matrix.toml")
     ci.add_argument("action", choices=["render"])
-    ci.add_argument("--out", type=Path, default=None, help="default: .github/workflows/pilot.yml")
+    ci.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the folder that gets workflows/pilot.yml and actionlint.yaml, and nothing outside it "
+        "(default: the repository's .github)",
+    )
     g = sub.add_parser(
         "gate",
         help="the release gate for a commit",
@@ -186,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "ci":
             from tilepilot import ci
 
-            print(f"tilepilot: wrote {', '.join(map(str, ci.write(mx, args.out or ci.WORKFLOW)))}")
+            print(f"tilepilot: wrote {', '.join(map(str, ci.write(mx, args.out or ci.GITHUB)))}")
             return 0
         if args.cmd == "gate":
             from tilepilot import gate

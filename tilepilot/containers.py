@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tilepilot import matrix, record
+from tilepilot import matrix, quoting, record
 from tilepilot.errors import UserError
 
 ROOT = record.ROOT
@@ -119,11 +119,17 @@ def render(mx: matrix.Matrix, device: str, *, lock_text: str | None = None, whee
     pins = {k: getattr(row, k) for k in ("python", "torch", "tilelang", "toolkit", "toolkit_version")}
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, autoescape=False)  # fmt: skip
+    env.filters.update(quoting.DOCKER_FILTERS)  # the templates quote every value for where it lands
     return env.get_template(_template(row)).render(
-        device=device, row=row, base=base, pins_json=json.dumps(pins, sort_keys=True), python=f"python{row.python}",
-        lock_sha=hashlib.sha256(text.encode()).hexdigest() if text else "none (no lock yet)", wheelhouse=wheelhouse, ca=ca is not None,
+        device=device,
+        row=row,
+        base=base,
+        pins_json=json.dumps(pins, sort_keys=True),
+        lock_sha=hashlib.sha256(text.encode()).hexdigest() if text else "none (no lock yet)",
+        wheelhouse=wheelhouse,
+        ca=ca is not None,
         pip_env=pip_env,
-    )  # fmt: skip
+    )
 
 
 # -- the engine --------------------------------------------------------------------------------

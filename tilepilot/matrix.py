@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Literal
 
 import tomllib
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
+from tilepilot import quoting
 from tilepilot.errors import UserError
 
 # TILEPILOT_MATRIX: another matrix for every step and subprocess of a run (`tilepilot --matrix` sets it).
@@ -17,13 +20,99 @@ Dtype = Literal["float16", "bfloat16"]
 Metric = Literal["correctness", "compile", "warm", "model", "memory"]
 
 
+# -- what a string may hold -----------------------------------------------------------------------
+# Matrix strings end up in generated Dockerfiles, sbatch scripts and workflows: each kind of value is
+# held to its own grammar, so that none can carry a newline, a quote or a shell word into them (the
+# templates quote as well). Each error says what would be valid.
+
+# PEP 440's public version (N.N..., a/b/rc, .post, .dev) and a +local tag; driver versions fit it too.
+_VERSION = re.compile(r"\d+(\.\d+)*((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?(\+[A-Za-z0-9]+(\.[A-Za-z0-9]+)*)?", re.A)
+_IDENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*", re.ASCII)
+_PYNAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", re.ASCII)
+_URL = re.compile(r"https?://[A-Za-z0-9.-]+(:\d+)?(/[A-Za-z0-9._~!&()*+,;=:@%/-]*)?", re.ASCII)
+# Slurm names: a partition (or a comma-separated list of them), an account; gres and constraint
+# add their own operators. No whitespace, quote, # or backslash: sbatch's directive parser splits on them.
+SLURM_NAME = re.compile(r"[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*", re.ASCII)
+_GRES = re.compile(r"[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*", re.ASCII)
+_CONSTRAINT = re.compile(r"[A-Za-z0-9_.:,|&()\[\]*-]+", re.ASCII)
+# Docker's reference grammar (distribution/reference): [host[:port]/]path[:tag][@algo:hex].
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_HOST = rf"(?:{_LABEL}(?:\.{_LABEL})*|\[[0-9A-Fa-f:]+\])(?::\d+)?"
+_TAG = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}"
+_DIGEST = r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}"
+_NAME = rf"(?:{_HOST}/)?{_COMPONENT}(?:/{_COMPONENT})*"
+_IMAGE = re.compile(rf"{_NAME}(?::{_TAG})?(?:@{_DIGEST})?", re.ASCII)
+# Where Slurm runs the pilot in a container: the same reference, as docker://REF, as pyxis's
+# registry#image, or an image file (.sif, enroot squashfs) by its path.
+_SLURM_IMAGE = re.compile(
+    rf"(?:docker://)?{_NAME}(?::{_TAG})?(?:@{_DIGEST})?|{_HOST}#{_COMPONENT}(?:/{_COMPONENT})*(?::{_TAG})?"
+    r"|(?:/|\./|\.\./)[A-Za-z0-9_.+@/-]+",
+    re.ASCII,
+)
+_TEXT_FORBIDDEN = set("\"'\\$`")
+
+
+def _grammar(regex: re.Pattern[str], valid: str, empty: bool = False) -> Callable[[str], str]:
+    def check(value: str) -> str:
+        if (empty and value == "") or regex.fullmatch(value):
+            return value
+        raise ValueError(f"{value!r} is not valid: want {valid}")
+
+    return check
+
+
+def _text(value: str) -> str:
+    if value and value.isprintable() and not _TEXT_FORBIDDEN & set(value):
+        return value
+    raise ValueError(
+        f"{value!r} is not valid: want one line of printable text without quotes, backslash, $ or backtick"
+    )
+
+
+def _shell_line(value: str) -> str:
+    if all(c == "\t" or c.isprintable() for c in value):
+        return value
+    raise ValueError(f"{value!r} is not valid: want one shell line (no newline or other control character)")
+
+
+def _valid(regex: re.Pattern[str], want: str, empty: bool = False) -> AfterValidator:
+    return AfterValidator(_grammar(regex, want + (', or ""' if empty else ""), empty))
+
+
+_V = "a version: dotted digits like 2.11.0, 13.0 or 580, optionally PEP 440 suffixes and a +local tag"
+_SN = "letters, digits, _ . -"
+_REF = "[registry/]name[:tag][@sha256:...], like nvidia/cuda:13.0.0-devel-ubuntu24.04"
+Version = Annotated[str, _valid(_VERSION, _V)]
+VersionOrNone = Annotated[str, _valid(re.compile(rf"none|{_VERSION.pattern}", re.ASCII), _V + ', or "none"')]
+Ident = Annotated[str, _valid(_IDENT, f"a name of {_SN} (like sm_90a or gfx942)")]
+PyName = Annotated[str, _valid(_PYNAME, "a dotted Python name like torch.matmul")]
+Url = Annotated[str, _valid(_URL, "an http(s) URL like https://download.pytorch.org/whl/cu130", empty=True)]
+Image = Annotated[str, _valid(_IMAGE, f"an image reference {_REF}")]
+Text = Annotated[str, AfterValidator(_text)]
+ShellLine = Annotated[str, AfterValidator(_shell_line)]
+Partition = Annotated[str, _valid(SLURM_NAME, f"a Slurm partition name ({_SN}; a comma between names)")]
+Account = Annotated[str, _valid(SLURM_NAME, f"a Slurm account name ({_SN})", empty=True)]
+Gres = Annotated[str, _valid(_GRES, f"a Slurm gres like gpu:h100:1 ({_SN} : ,)", empty=True)]
+Constraint = Annotated[str, _valid(_CONSTRAINT, f"Slurm features like h100|h200 ({_SN} : , | & ( ) [ ] *)", empty=True)]
+SlurmImage = Annotated[
+    str,
+    _valid(
+        _SLURM_IMAGE,
+        f"an image reference {_REF} (or docker://..., or pyxis's registry#name:tag), "
+        "or an image file's path starting with / or ./",
+        empty=True,
+    ),
+]
+
+
 class _Strict(BaseModel):
     # Unknown keys are errors, not silently ignored typos; values are never coerced.
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class PilotOperator(_Strict):
-    reference: str
+    reference: PyName
 
 
 class Pilot(_Strict):
@@ -37,23 +126,23 @@ class Pilot(_Strict):
 
 class Target(_Strict):
     kind: Literal["cuda", "hip"]
-    arch: str
+    arch: Ident
 
 
 class Slurm(_Strict):
     """How `tilepilot submit --engine slurm` asks a site's scheduler for a node with this device."""
 
-    partition: str
-    gres: str = ""  # e.g. "gpu:h100:1"; empty for a node that has the device without gres
-    constraint: str = ""
+    partition: Partition
+    gres: Gres = ""  # e.g. "gpu:h100:1"; empty for a node that has the device without gres
+    constraint: Constraint = ""
     time: Annotated[str, Field(pattern=r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")] = "01:00:00"
-    account: str = ""
+    account: Account = ""
     cpus: PositiveInt | None = None
     # host: the node's own environment; apptainer: `apptainer exec --nv|--rocm IMAGE` (a .sif built from
     # the pinned Dockerfile); pyxis: `srun --container-image IMAGE` (enroot).
     runtime: Literal["host", "apptainer", "pyxis"] = "host"
-    image: str = ""
-    setup: list[str] = []  # shell lines before the pilot, e.g. "module load cuda/13.0"
+    image: SlurmImage = ""
+    setup: list[ShellLine] = []  # shell lines before the pilot, e.g. "module load cuda/13.0"
 
     @model_validator(mode="after")
     def _image(self) -> Slurm:
@@ -70,21 +159,21 @@ class GitHub(_Strict):
 
 
 class Device(_Strict):
-    name: str
+    name: Text
     vendor: Literal["nvidia", "amd", "cpu"]  # cpu: a smoke device that proves the container path
-    arch: str
-    gpu_names: list[str]
-    compute_capability: str
+    arch: Ident
+    gpu_names: list[Text]
+    compute_capability: Ident
     tilelang_target: Target | None = None
-    base_image: str
+    base_image: Image
     base_digest: Annotated[str, Field(pattern=r"^(sha256:[0-9a-f]{64}|unpinned)$")]
     toolkit: Literal["cuda", "rocm", "none"]
-    toolkit_version: str
-    min_driver: str
+    toolkit_version: VersionOrNone  # "none": no GPU toolkit (a cpu device)
+    min_driver: VersionOrNone
     python: Annotated[str, Field(pattern=r"^3\.\d+$")]
-    torch: str
-    torch_index: str = ""  # empty: PyPI
-    tilelang: str
+    torch: Version
+    torch_index: Url = ""  # empty: PyPI
+    tilelang: Version
     slurm: Slurm | None = None
     github: GitHub | None = None
 
@@ -95,6 +184,10 @@ class Device(_Strict):
             raise ValueError(f"vendor {self.vendor} needs toolkit {want!r}, not {self.toolkit!r}")
         if self.vendor != "cpu" and self.tilelang_target is None:
             raise ValueError(f"a {self.vendor} device needs a tilelang_target")
+        for key in ("toolkit_version", "min_driver"):
+            if (getattr(self, key) == "none") != (self.toolkit == "none"):
+                want = '"none"' if self.toolkit == "none" else f"the {self.toolkit} version"
+                raise ValueError(f"{key} of a device with toolkit {self.toolkit!r} must be {want}")
         return self
 
 
@@ -239,8 +332,13 @@ def _one_line(path: Path, err: ValidationError) -> str:
         msg = "required key is missing"
     elif first["type"] == "literal_error":
         msg = f"{msg}, got {first.get('input')!r}"
+    elif first["type"] == "string_pattern_mismatch":
+        msg = f"{first.get('input')!r} is not valid: want a string matching {first['ctx']['pattern']}"
+    elif first["type"] == "value_error":
+        msg = msg.removeprefix("Value error, ")
     more = f" (+{err.error_count() - 1} more)" if err.error_count() > 1 else ""
-    return f"{path}: {loc}: {msg}{more}"
+    # One line whatever the input held: a key or a message quoting a bad value never breaks it.
+    return quoting.visible(f"{path}: {loc}: {msg}{more}")
 
 
 def load(path: Path | str = DEFAULT_PATH) -> Matrix:

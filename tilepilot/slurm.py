@@ -18,14 +18,13 @@ import datetime as dt
 import json
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from tilepilot import envinfo, matrix, record
+from tilepilot import cases, envinfo, matrix, quoting, record
 from tilepilot.errors import UserError
 
 ROOT = record.ROOT
@@ -40,7 +39,7 @@ def _render(name: str, **values: Any) -> str:
 
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True)  # fmt: skip
-    env.filters["q"] = lambda v: shlex.quote(str(v))
+    env.filters.update(quoting.SHELL_FILTERS)
     return env.get_template(name).render(**values)
 
 
@@ -56,10 +55,22 @@ def render_job(mx: matrix.Matrix, device: str, sid: str, stage: Path, matrix_pat
     if row.slurm is None:
         raise UserError(f"{matrix_path}: devices.{device}.slurm: missing; --engine slurm needs its partition "
                         "(and gres, constraint, time, account) there")  # fmt: skip
-    args = "".join(" " + shlex.quote(a) for a in pilot_args)
+    args = "".join(" " + quoting.sh(a) for a in pilot_args)
     return _render("pilot.sbatch.j2", device=device, row=row, s=row.slurm, sid=sid, stage=stage, root=ROOT,
                    matrix=matrix_path, commit=commit, python=python, args=args,
                    gpu_flag="--rocm" if row.vendor == "amd" else "--nv")  # fmt: skip
+
+
+def _cases_pattern(pilot_args: list[str]) -> str | None:
+    """The --cases value among the pilot's arguments (`--cases P` or `--cases=P`; the last one wins,
+    as in argparse), or None."""
+    pattern = None
+    for i, a in enumerate(pilot_args):
+        if a == "--cases" and i + 1 < len(pilot_args):
+            pattern = pilot_args[i + 1]
+        elif a.startswith("--cases="):
+            pattern = a.split("=", 1)[1]
+    return pattern
 
 
 def _new_dir(workdir: Path) -> tuple[str, Path]:
@@ -90,6 +101,13 @@ def submit(mx: matrix.Matrix, devices: list[str], matrix_path: Path, *, workdir:
         mx.device(d)
         if mx.device(d).slurm is None:
             raise UserError(f"{matrix_path}: devices.{d}.slurm: missing; --engine slurm needs its partition there")
+    pattern = _cases_pattern(pilot_args or [])
+    if pattern is not None and not cases.expand(mx, pattern):
+        # Otherwise every job would queue, wait for a node and fail there, one by one.
+        raise UserError(f"--cases {pattern!r} matches no case in {matrix_path}; `tilepilot cases` lists them")
+    if gate_partition and not matrix.SLURM_NAME.fullmatch(gate_partition):
+        want = "letters, digits, _ . - and a comma between names"
+        raise UserError(f"--gate-partition {gate_partition!r}: not a Slurm partition name ({want})")
     if shutil.which("sbatch") is None:
         raise UserError("sbatch: not found on PATH; the Slurm engine needs a Slurm client (Debian: slurm-client)")
     git = envinfo.git()
