@@ -136,14 +136,18 @@ def _load_asv(path: Path, root: Path, machine: str) -> AsvResult:
     return AsvResult(path, str(res.commit_hash), values, params)
 
 
-def _asv_machine(root: Path, machine: str, dev: matrix.Device) -> tuple[dict[str, list[AsvResult]], list[str]]:
-    """asv results of a machine by commit, and what is wrong with its folder."""
+def _asv_machine(
+    root: Path, machine: str, dev: matrix.Device, commit: str, ancestors: list[str]
+) -> tuple[list[AsvResult], AsvResult | None, list[str]]:
+    """The asv results of the commit on a machine, the result of the newest ancestor measured there
+    (the regression baseline), and what is wrong with the folder. asv names a result file by the first
+    8 hex digits of its commit; only the files of those two commits are read."""
     mdir = root / "asv" / machine
     problems: list[str] = []
     try:
         evidence.check_path(mdir, root, "dir")
     except EvidenceError as exc:
-        return {}, [f"asv: {exc} (the run's asv results never reached this history; merge them)"]
+        return [], None, [f"asv: {exc} (the run's asv results never reached this history; merge them)"]
     try:
         mjson = evidence.read_json(mdir / "machine.json", root)
         gpu = mjson.get("tilepilot", {}).get("gpu", {}).get("name") if isinstance(mjson, dict) else None
@@ -151,17 +155,27 @@ def _asv_machine(root: Path, machine: str, dev: matrix.Device) -> tuple[dict[str
             problems.append(f"asv: {mdir / 'machine.json'}: GPU {gpu!r} is not one of {', '.join(dev.gpu_names)}")
     except EvidenceError as exc:
         problems.append(f"asv: {exc}")
-    by_commit: dict[str, list[AsvResult]] = {}
-    for f in sorted(mdir.iterdir()):
-        if f.name.startswith(".") or f.name == "machine.json" or f.suffix != ".json":
-            continue
-        try:
-            res = _load_asv(f, root, machine)
-        except EvidenceError as exc:
-            problems.append(f"asv: {exc}")
-            continue
-        by_commit.setdefault(res.commit, []).append(res)
-    return by_commit, problems
+    names = sorted(f.name for f in mdir.iterdir() if not f.name.startswith(".") and f.name != "machine.json")
+
+    def of(c: str) -> list[AsvResult]:
+        out = []
+        for name in (n for n in names if n.startswith(f"{c[:8]}-") and n.endswith(".json")):
+            try:
+                res = _load_asv(mdir / name, root, machine)
+            except EvidenceError as exc:
+                problems.append(f"asv: {exc}")
+                continue
+            if res.commit == c:
+                out.append(res)
+            elif not c.startswith(res.commit[:8]):
+                problems.append(f"asv: {mdir / name}: holds commit {res.commit[:12]}, not the {c[:8]} its name says")
+        return out
+
+    cur = of(commit)
+    prev = next(
+        (found[-1] for a in ancestors if any(n.startswith(f"{a[:8]}-") for n in names) if (found := of(a))), None
+    )
+    return cur, prev, problems
 
 
 # ---------------------------------------------------------------------------------------------
@@ -660,21 +674,18 @@ def check_device(g: Gate, device: str) -> dict[str, Any]:
     if run is None:
         return _absent(g, device, unfinished)
     j = _load_run(g.root, run, device, g.commit, dev, ops, "model" in g.mx.pilot.metrics)
-    by_commit, asv_problems = _asv_machine(g.root, run.machine, dev)
+    cur, asv_prev, asv_problems = _asv_machine(g.root, run.machine, dev, g.commit, g.ancestors)
     j.problems += asv_problems
     # The asv result of this commit that came from this run (with a keep-both merge, several runs).
     asv_cur: AsvResult | None = None
-    cur = by_commit.get(g.commit, [])
     if not cur:
-        if not asv_problems or all("machine.json" in p for p in asv_problems):
-            j.problems.append(f"asv: {g.root / 'asv' / run.machine}: no asv result of commit {g.commit[:12]}")
+        j.problems.append(f"asv: {g.root / 'asv' / run.machine}: no readable asv result of commit {g.commit[:12]}")
     else:
         asv_cur = _pick_asv(cur, j)
         if asv_cur is None:
             j.problems.append(f"asv: none of {', '.join(r.path.name for r in cur)} agrees with the run {run.id}")
             asv_cur = cur[-1]
-    prev_commit = next((c for c in g.ancestors if c in by_commit), None)
-    asv_prev = by_commit[prev_commit][-1] if prev_commit else None
+    prev_commit = asv_prev.commit if asv_prev else None
     prev_why = f"no earlier commit in this history was measured on {run.machine}: no baseline to compare with"
     verdict: dict[str, Any] = {
         "device": device,

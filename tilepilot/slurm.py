@@ -255,21 +255,3 @@ def collect(ref: str) -> int:
     else:
         print("tilepilot: no asv results in the history (no GPU run yet): nothing to publish")
     return gate.gate(sub["commit"], Path(sub["matrix"]))
-
-
-def job_outcomes(device: str, commit: str, results: Path | None = None) -> list[str]:
-    """For the gate: how this device's Slurm jobs for this commit ended, newest first, one line each."""
-    root = (results or record.RESULTS) / "submissions"
-    out = []
-    for f in sorted(root.glob("*.json"), reverse=True) if root.is_dir() else []:
-        try:
-            sub = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            raise UserError(f"{f}: corrupt submission record; delete it or re-run the submission") from None
-        j = sub.get("devices", {}).get(device)
-        if sub.get("commit") != commit or not j or "final" not in j:
-            continue
-        fin = j["final"]
-        extra = f" ({fin['reason']}, exit {fin['exit_code']})" if fin["state"] != "COMPLETED" else ""
-        out.append(f"slurm job {j['job']} of submission {sub['id']}: {fin['state']}{extra}")
-    return out
