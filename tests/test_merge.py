@@ -494,6 +494,8 @@ def test_a_read_only_destination_is_one_line_and_left_as_it_was(tmp_path: Path) 
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert f"{into / merge.LOCK}: Read-only file system (EROFS)" in r.stderr and "Traceback" not in r.stderr
         assert _tree(into) == before
+        r = _cli(tmp_path / "a", "--into", into)  # what is there already: a read-only history can say so
+        assert r.returncode == 0 and "merge: nothing to do: 3 already there" in r.stdout, r.stderr
 
 
 def test_a_full_disk_is_one_line_and_the_destination_is_left_as_it_was(tmp_path: Path) -> None:

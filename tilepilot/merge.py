@@ -27,7 +27,8 @@ Safe to run anywhere, any number of times:
   temporaries. So an interrupted merge, run again, ends exactly as if it had never been interrupted.
 - An OS error (a full disk, a read-only destination, a source that vanishes) rolls back what this
   merge had put in place and stops with one line naming the path and the error.
-- Merging what is already there changes nothing and says "nothing to do: N already there".
+- Merging what is already there changes nothing and says "nothing to do: N already there", even
+  into a history this process cannot write (read-only), which it then only reads, holding no lock.
 
 Exit status (`tilepilot merge`): 0 merged, or nothing to do; 2 with one line on stderr naming the
 path, key or flag: no such source, not a results tree, a symlink or special file in a source, a
@@ -594,9 +595,17 @@ def _stage_combined_asv(src: Path, dst: Path, txn: _Txn) -> None:
 
 
 @contextmanager
-def _locked(into: Path, timeout: float) -> Iterator[None]:
+def _locked(into: Path, timeout: float) -> Iterator[OSError | None]:
+    """Hold <into>/.merge.lock; or, in a history this process cannot write (read-only, not its own),
+    hold nothing and yield why: no merge can change such a history, so it can only be read."""
     path = into / LOCK
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as exc:
+        if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        yield exc
+        return
     try:
         deadline = time.monotonic() + timeout
         waiting = False
@@ -614,7 +623,7 @@ def _locked(into: Path, timeout: float) -> Iterator[None]:
                     print(f"tilepilot: merge: waiting for {path} (another merge into {into} holds it)", flush=True)
                     waiting = True
                 time.sleep(0.05)
-        yield
+        yield None
     finally:
         os.close(fd)  # releases the lock
 
@@ -638,11 +647,19 @@ def merge(sources: list[Path], into: Path, policy: Policy = "refuse", lock_timeo
     _check_sources(sources, into, checked)  # refusals about the sources touch nothing, not even `into`
     p = Plan(asv_commits=checked.asv_commits)
     txn: _Txn | None = None
+    recovering = False
     try:
         into.mkdir(parents=True, exist_ok=True)
-        with _locked(into, lock_timeout):
+        with _locked(into, lock_timeout) as unwritable:
+            if unwritable is not None:
+                # Nothing to do is the one success here; an unfinished merge or a change is the error.
+                if (into / STAGING).exists() or plan(sources, into, policy, p).actions:
+                    raise unwritable
+                return p
             _step()
+            recovering = True
             p.recovered = _recover(into)
+            recovering = False
             p = plan(sources, into, policy, p)
             if not p.actions:
                 return p
@@ -652,6 +669,8 @@ def merge(sources: list[Path], into: Path, policy: Policy = "refuse", lock_timeo
             txn.commit()
     except OSError as exc:
         undone = "nothing merged, the destination is as it was"
+        if recovering:
+            undone = "an earlier merge killed part-way is not finished yet; run the merge again once this is fixed"
         if txn is not None:
             try:
                 txn.rollback()
