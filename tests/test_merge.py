@@ -277,6 +277,18 @@ def _whole_or_absent(into: Path, trees: list[Path]) -> None:
             assert any(merge._same_tree(run, w) for w in were if w.is_dir()), f"{run} is half there"
 
 
+def _asv_before_runs(into: Path, base: Path, ref: Path) -> None:
+    """A run a merge brought is never seen before its samples: asv's file is in place first."""
+    for commit in (into / "records" / MACHINE).iterdir():
+        for run in record.runs_for(MACHINE, commit.name, into / "records"):
+            was = base / run.relative_to(into)
+            if was.is_dir() and merge._same_tree(run, was):
+                continue  # there before this merge
+            for f in (ref / "asv" / MACHINE).glob(f"{commit.name[:8]}-*.json"):
+                there = into / "asv" / MACHINE / f.name
+                assert there.is_file() and there.read_bytes() == f.read_bytes(), f"{run} before its samples"
+
+
 def _killed_at(k: int, sources: list[Path], into: Path) -> bool:
     """Merge in a forked child that TILEPILOT_MERGE_KILL_AFTER=k kills (SIGKILL) after its k-th step."""
     pid = os.fork()
@@ -312,6 +324,7 @@ def test_a_merge_killed_after_any_step_is_finished_exactly_by_running_it_again(t
         if not _killed_at(k, sources, into):
             break  # the merge has fewer steps than k: every step has been a kill point
         _whole_or_absent(into, [base, *sources])
+        _asv_before_runs(into, base, ref)
         if k % 3 == 0:  # killed again while finishing (rolling the journal forward, or cleaning up)
             _killed_at(2 + k % 5, sources, into)
             _whole_or_absent(into, [base, *sources])
@@ -376,14 +389,19 @@ def test_leftovers_of_an_older_killed_merge_are_no_runs_and_are_cleaned_up(tmp_p
     first, second = sorted((src / "records" / MACHINE / SMALL).iterdir())
     shutil.copytree(first, commit / first.name)
     shutil.copytree(second, commit / f".{second.name}.merge-x1y2z3")  # a whole run, under its temporary name
-    shutil.copytree(first, commit / f".{first.name}.replaced")
+    shutil.copytree(first, commit / f".{first.name}.replaced")  # its replacement landed: a leftover
+    shutil.copytree(second, commit / f".{second.name}.replaced")  # set aside, never replaced: it goes back
+    (commit / f".{second.name}.replaced" / "run.json").unlink()
     (into / "asv" / ".merge-asv-q9" / MACHINE).mkdir(parents=True)
     (into / "asv" / MACHINE).mkdir()
     (into / "asv" / MACHINE / ".machine.json.k2j.tmp").write_text("{")
     assert [r.name for r in record.runs_for(MACHINE, SMALL, into / "records")] == [first.name]
+    assert record.runs_for(MACHINE, OTHER, into / "records") == []
     p = merge.merge([src], into)  # refuse: the source's own run there is no duplicate of it
-    assert not p.duplicates and len(p.recovered) == 4, p.recovered
-    assert {d for d, _ in p.actions if "records" in d} == {f"add records/{MACHINE}/{SMALL[:12]}/{second.name}"}
+    assert not p.duplicates and len(p.recovered) == 5, p.recovered
+    assert {d for d, _ in p.actions if "records" in d} == {
+        f"replace partial records/{MACHINE}/{SMALL[:12]}/{second.name}"
+    }
     assert _tree(into) == _tree(ref)
 
 

@@ -82,5 +82,6 @@ def runs_for(machine: str, commit: str, root: Path = RECORDS) -> list[Path]:
     """Run folders for this machine and commit, newest first. A dot-name is no run: it is a writer's
     temporary (a merge in progress or killed), never a result."""
     base = root / machine / commit
-    runs = (p for p in base.iterdir() if p.is_dir() and not p.name.startswith("."))
-    return sorted(runs, reverse=True) if base.is_dir() else []
+    if not base.is_dir():
+        return []
+    return sorted((p for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")), reverse=True)
