@@ -477,6 +477,10 @@ def test_a_symlink_or_fifo_in_a_source_is_refused_before_anything_is_written(tmp
     with pytest.raises(UserError, match="linked: a symlink in the source"):
         merge.merge([src], into)
     (src / "records" / MACHINE / "linked").unlink()
+    (src / "repro").symlink_to(RESULTS / "logs")  # one of the results folders itself
+    with pytest.raises(UserError, match=r"repro: a symlink in the source"):
+        merge.merge([src], into)
+    (src / "repro").unlink()
     os.mkfifo(src / "asv" / MACHINE / "pipe.json")
     with pytest.raises(UserError, match=r"pipe.json: a FIFO in the source; merge copies regular files only"):
         merge.merge([src], into)

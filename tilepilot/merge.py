@@ -63,6 +63,7 @@ POLICIES: tuple[Policy, ...] = ("refuse", "keep-both")
 LOCK = ".merge.lock"
 STAGING = ".merge-tmp"
 JOURNAL = "journal.json"
+PARTS = ("records", "asv", "repro", "submissions", "tune")  # what a merge reads of a source
 LOCK_TIMEOUT_S = 600.0  # a whole history merges in well under a minute; a stuck peer should not hang a CI job forever
 _KILL_AFTER = "TILEPILOT_MERGE_KILL_AFTER"  # tests: SIGKILL this process at its k-th step
 _steps = 0
@@ -132,8 +133,14 @@ _KINDS = (
 
 def _check_special(src: Path) -> None:
     """A symlink would copy its target (anything on the host) into the history: refuse, by name,
-    before anything is written; likewise anything that is neither a file nor a folder."""
-    for base, dirs, files in os.walk(src):
+    before anything is written; likewise anything that is neither a file nor a folder. Only what a
+    merge reads is checked (the results folders, themselves included), not a job's other files."""
+    for top in PARTS:
+        path = src / top
+        for test, what in _KINDS:
+            if os.path.lexists(path) and test(path.lstat().st_mode):
+                raise UserError(f"{path}: {what} in the source; merge copies regular files only")
+    for base, dirs, files in (w for top in PARTS for w in os.walk(src / top)):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         for name in sorted([*dirs, *files]):
             if name.startswith("."):
@@ -321,7 +328,7 @@ def _check_sources(sources: list[Path], into: Path, plan: Plan) -> list[Path]:
     for src in sources:
         if not src.is_dir():
             raise UserError(f"{src}: no such results folder to merge")
-        if not any((src / d).is_dir() for d in ("records", "asv", "repro", "submissions", "tune")):
+        if not any((src / d).is_dir() for d in PARTS):
             if any(p for p in src.iterdir() if not p.name.startswith(".")):
                 raise UserError(f"{src}: not a tilepilot results tree (no records/, asv/ or repro/ in it)")
             plan.notes.append(f"{src}: empty, nothing to merge")
