@@ -10,7 +10,8 @@ one Slurm job's staging folder or one GitHub Actions artifact. The union is by m
 - a second complete run of the same machine and commit, or a second asv result of them, is a
   duplicate: `refuse` (the default) stops the merge before anything is written; `keep-both` keeps
   both run folders and combines both runs' samples in asv's result file (asv's own add_result).
-  A source's own runs already in the history (an earlier merge of it) are no duplicate of it.
+  A source's own runs already in the history (an earlier merge of it) are no duplicate of it, and
+  when all of them are there its asv result is taken as merged too (not combined a second time).
 
 Safe to run anywhere, any number of times:
 
