@@ -365,16 +365,21 @@ def test_a_merge_process_killed_at_random_moments_is_finished_by_running_it_agai
     for i in range(n):
         shutil.copytree(base, tmp_path / f"run{i}")
     started = [_at_the_lock(cmd, tmp_path / f"run{i}") for i in range(n)]  # their start-ups overlap
-    for i, (proc, release) in enumerate(started):
-        into = tmp_path / f"run{i}"
-        start = release()
-        time.sleep(max(0.0, start + rng.uniform(0, 1.2 * took) - time.monotonic()))
-        proc.kill()  # SIGKILL: no handler, no cleanup
-        proc.communicate()
-        mid += _tree(into) not in (_tree(base), want)
-        _whole_or_absent(into, [base, *sources])
-        merge.merge(sources, into, "keep-both")
-        assert _tree(into) == want, f"seed {seed}, kill {i}"
+    try:
+        for i, (proc, release) in enumerate(started):
+            into = tmp_path / f"run{i}"
+            start = release()
+            time.sleep(max(0.0, start + rng.uniform(0, 1.2 * took) - time.monotonic()))
+            proc.kill()  # SIGKILL: no handler, no cleanup
+            proc.communicate()
+            mid += _tree(into) not in (_tree(base), want)
+            _whole_or_absent(into, [base, *sources])
+            merge.merge(sources, into, "keep-both")
+            assert _tree(into) == want, f"seed {seed}, kill {i}"
+    finally:
+        for proc, _ in started:  # a failure above leaves the others waiting for their locks
+            proc.kill()
+            proc.communicate()
     assert mid, f"seed {seed}: no kill of {n} landed in the middle of a merge (it took {took:.2f} s)"
 
 
