@@ -25,6 +25,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
+    from tilepilot import merge  # its docstring is `merge --help`: the rules, the messages, the exit status
+
     p = _Parser(prog="tilepilot", description=__doc__)
     p.add_argument("--matrix", type=Path, default=matrix.DEFAULT_PATH, help="path to matrix.toml")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -72,11 +74,23 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--workdir", type=Path, default=None)
     co = sub.add_parser("collect", help="(the gate job) final job states, merge, publish, gate")
     co.add_argument("--submission", required=True)
-    mg = sub.add_parser("merge", help="merge results trees (job staging folders, CI artifacts) into the history")
+    mg = sub.add_parser(
+        "merge",
+        help="merge results trees (job staging folders, CI artifacts) into the history",
+        description=merge.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     mg.add_argument("sources", nargs="*", type=Path)
     mg.add_argument("--into", type=Path, default=None, help="the history to merge into (default: results/)")
     mg.add_argument("--on-duplicate", choices=["refuse", "keep-both"], default="refuse",
                     help="a second result of the same machine, commit and case: stop (default) or keep both runs' samples")  # fmt: skip
+    mg.add_argument(
+        "--lock-timeout",
+        type=float,
+        default=merge.LOCK_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"how long to wait for another merge into the same history (default: {merge.LOCK_TIMEOUT_S:g})",
+    )
     ci = sub.add_parser("ci", help="GitHub Actions: render .github/workflows/pilot.yml from matrix.toml")
     ci.add_argument("action", choices=["render"])
     ci.add_argument(
@@ -188,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.sources:
                 print("tilepilot: merge: no sources given, nothing to merge")
                 return 0
-            print(merge.report(merge.merge(args.sources, into, args.on_duplicate), into))
+            print(merge.report(merge.merge(args.sources, into, args.on_duplicate, args.lock_timeout), into))
             return 0
         if args.cmd == "ci":
             from tilepilot import ci

@@ -84,6 +84,9 @@ def read_json(path: Path, kind: str) -> dict[str, Any]:
 
 
 def runs_for(machine: str, commit: str, root: Path = RECORDS) -> list[Path]:
-    """Run folders for this machine and commit, newest first."""
+    """Run folders for this machine and commit, newest first. A dot-name is no run: it is a writer's
+    temporary (a merge in progress or killed), never a result."""
     base = root / machine / commit
-    return sorted((p for p in base.iterdir() if p.is_dir()), reverse=True) if base.is_dir() else []
+    if not base.is_dir():
+        return []
+    return sorted((p for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")), reverse=True)
