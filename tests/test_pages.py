@@ -9,6 +9,7 @@ dead proxy; without chromium they skip, and where CI=true or TILEPILOT_REQUIRE_B
 from __future__ import annotations
 
 import base64
+import functools
 import glob
 import hashlib
 import itertools
@@ -79,19 +80,26 @@ def _reader(benchmark: str) -> tuple[Reader, str]:
     return (MODEL if suite == "bench_model.TrackModel" else OPERATOR)[method]
 
 
+@functools.cache
+def _runs(commit: str, op: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Each run's record of one operator (or the model) at one commit: its cases and compile times."""
+    out = []
+    for run in sorted((RESULTS / "records" / MACHINE / commit).iterdir()):
+        f = run / ("model.json" if op == "model" else f"measure-{op}.json")
+        if f.exists():
+            data = json.loads(f.read_text(encoding="utf-8"))
+            out.append((data["cases"], data.get("compile", {})))
+    return out
+
+
 def record_values(commit: str, benchmark: str, case: str) -> list[float]:
     """The benchmark's value of one case at one commit as the run records hold it, one per run (a
     merge keeps both runs of a commit)."""
     read, _ = _reader(benchmark)
-    op = case.split("/")[0]
     values = []
-    for run in sorted((RESULTS / "records" / MACHINE / commit).iterdir()):
-        f = run / ("model.json" if op == "model" else f"measure-{op}.json")
-        if not f.exists():
-            continue
-        data = json.loads(f.read_text(encoding="utf-8"))
-        if case in data["cases"]:
-            value = read(data["cases"][case], data.get("compile", {}).get(case, {}))
+    for cases, compile_times in _runs(commit, case.split("/")[0]):
+        if case in cases:
+            value = read(cases[case], compile_times.get(case, {}))
             if value is not None:
                 values.append(float(value))
     assert values, (commit, benchmark, case)
