@@ -6,6 +6,12 @@ suites, in the setup_cache that they all inherit from _Measured: asv keys a setu
 function's source location, so one inherited function is one process and one set of imports. Each
 track_ returns one case's value, latencies as samples so that asv's own statistics serve
 `asv compare` and the gate.
+
+asv takes lower as better: its Regressions page and `asv compare` report increases only. So every
+value handed to it is one where lower is better: latencies, a relative time (kernel/reference, the
+inverse of a speedup), milliseconds per TFLOP of work (not TFLOP/s), peak MiB, compile seconds, an
+error. A higher-is-better number here would list its improvements as regressions and hide its drops.
+Units say what a value measures; the README lists every name.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ class _Measured:
     """The one measurement every suite reads its part of (data[op])."""
 
     op = ""
+    # One parameter, the case id; its name says what the id's parts are (asv's table header).
     param_names = ["case"]
     timeout = 1800.0
     # asv hides every result whose version differs from the current suite's, in its pages and in
@@ -95,46 +102,58 @@ class _Measured:
 
 
 class _OperatorSuite(_Measured):
-    """One operator's tracks; bench_<op>.py sets `op` and the case ids."""
+    """One operator's tracks; bench_<op>.py sets `op`, the case ids and the parameter's name."""
 
     def track_kernel_ms(self, data: str, case: str) -> Any:
         return self._samples(data, case, "kernel")
 
-    track_kernel_ms.unit = "ms"  # type: ignore[attr-defined]
+    track_kernel_ms.unit = "ms (kernel, median)"  # type: ignore[attr-defined]
 
     def track_reference_ms(self, data: str, case: str) -> Any:
         return self._samples(data, case, "reference")
 
-    track_reference_ms.unit = "ms"  # type: ignore[attr-defined]
+    track_reference_ms.unit = "ms (reference, median)"  # type: ignore[attr-defined]
 
-    def track_speedup(self, data: str, case: str) -> float:
-        return float(self._get(data, case, "", "speedup"))
+    def track_relative_time(self, data: str, case: str) -> float:
+        # The record's speedup is reference/kernel of the two medians: its inverse is kernel/reference.
+        return _inverse(self._get(data, case, "", "speedup"))
 
-    track_speedup.unit = "x"  # type: ignore[attr-defined]
+    track_relative_time.unit = "kernel/reference time"  # type: ignore[attr-defined]
 
-    def track_kernel_tflops(self, data: str, case: str) -> float:
-        return float(self._get(data, case, "kernel", "tflops"))
+    def track_kernel_ms_per_tflop(self, data: str, case: str) -> float:
+        # The kernel's throughput, lower-is-better: 1000 / TFLOP/s. asv.conf.json keeps it out of the
+        # Regressions page, where it would repeat every track_kernel_ms entry.
+        return 1000 * _inverse(self._get(data, case, "kernel", "tflops"))
 
-    track_kernel_tflops.unit = "TFLOP/s"  # type: ignore[attr-defined]
+    track_kernel_ms_per_tflop.unit = "ms per TFLOP (kernel)"  # type: ignore[attr-defined]
 
     def track_kernel_peak_mib(self, data: str, case: str) -> float:
         return float(self._get(data, case, "kernel", "peak_mib"))
 
-    track_kernel_peak_mib.unit = "MiB"  # type: ignore[attr-defined]
+    track_kernel_peak_mib.unit = "MiB (kernel, peak allocated)"  # type: ignore[attr-defined]
 
     def track_reference_peak_mib(self, data: str, case: str) -> float:
         return float(self._get(data, case, "reference", "peak_mib"))
 
-    track_reference_peak_mib.unit = "MiB"  # type: ignore[attr-defined]
+    track_reference_peak_mib.unit = "MiB (reference, peak allocated)"  # type: ignore[attr-defined]
 
     def track_cold_compile_s(self, data: str, case: str) -> float:
         value = self._case(data, case).get("compile", {}).get("cold_s")
         return math.nan if value is None else float(value)
 
-    track_cold_compile_s.unit = "s"  # type: ignore[attr-defined]
+    track_cold_compile_s.unit = "s (cold compile)"  # type: ignore[attr-defined]
 
     def track_warm_start_s(self, data: str, case: str) -> float:
         value = self._case(data, case).get("compile", {}).get("warm_s")
         return math.nan if value is None else float(value)
 
-    track_warm_start_s.unit = "s"  # type: ignore[attr-defined]
+    track_warm_start_s.unit = "s (warm start, cached)"  # type: ignore[attr-defined]
+
+
+def _inverse(value: Any) -> float:
+    """1/x of a positive finite number; NaN (asv's "not measured") for anything else."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return math.nan
+    return 1 / x if math.isfinite(x) and x > 0 else math.nan

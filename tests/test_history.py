@@ -36,22 +36,82 @@ def run_dir(results: Path) -> Path:
     return sorted((results / "records" / MACHINE / MEASURED).iterdir())[-1]
 
 
-def test_publish_writes_regression_pages(tmp_path: Path) -> None:
+def _unmigrate(asv_dir: Path) -> None:
+    """Turn a copy of the history back into what the pilots wrote before the rename: the old names,
+    values and benchmark descriptions (through asv's Results API, as the migration goes forward)."""
+    from asv import util
+    from asv.results import Results
+
     from tilepilot import history
 
-    assert history.publish(tmp_path / "html") == 0
-    index = json.loads((tmp_path / "html" / "index.json").read_text())
-    assert MACHINE in index["machines"]
-    assert any(b.startswith("bench_gemm.TrackGemm.track_kernel_ms") for b in index["benchmarks"])
-    assert "tilepilot" in index["machines"][MACHINE]  # the environment capture rides along
-    # Every commit measured on the device is one point on one graph: asv drops a result of another
-    # benchmark version, and splits a machine whose description (its OS string) changed.
-    measured = {f.name[:8] for f in (RESULTS / "asv" / MACHINE).glob("*-*.json")}
-    graphs = list((tmp_path / "html" / "graphs" / "branch-HEAD").rglob("bench_gemm.TrackGemm.track_kernel_ms.json"))
-    assert len(graphs) == 1, graphs
-    revisions = {r for r, *_ in json.loads(graphs[0].read_text())}
-    hashes = {index["revision_to_hash"][str(r)][:8] for r in revisions}
-    assert hashes == measured
+    back = {new: old for old, (new, _) in history.RENAMED.items()}
+    scale = {"track_kernel_ms_per_tflop": 1000.0}
+    for f in history._result_files(asv_dir):
+        res = Results.load(str(f))
+        for attr in (
+            "_results",
+            "_benchmark_params",
+            "_benchmark_version",
+            "_started_at",
+            "_duration",
+            "_samples",
+            "_stats",
+            "_profiles",
+        ):
+            table = getattr(res, attr)
+            out = {}
+            for k, v in table.items():
+                head, _, method = k.rpartition(".")
+                if method in back and attr == "_results":
+                    v = [None if x is None else scale.get(method, 1.0) / x for x in v]
+                out[f"{head}.{back[method]}" if method in back else k] = v
+            setattr(res, attr, out)
+        res.save(str(asv_dir))
+    bfile = asv_dir / "benchmarks.json"
+    data = util.load_json(str(bfile), api_version=2)
+    old = {}
+    for name, entry in data.items():
+        head, _, method = name.rpartition(".")
+        name = f"{head}.{back[method]}" if method in back else name
+        old[name] = {**entry, "name": name, "param_names": ["case"], "unit": "x"}
+    util.write_json(str(bfile), old, api_version=2)
+
+
+def test_migrate_renames_the_history_and_keeps_the_latencies(tmp_path: Path) -> None:
+    """Results written under the old names migrate to the committed files: renamed tracks converted,
+    every other row (the latencies with their samples, which the gate reads) byte for byte."""
+    from tilepilot import history
+
+    asv_dir = tmp_path / "asv"
+    shutil.copytree(RESULTS / "asv", asv_dir)
+    _unmigrate(asv_dir)
+    assert history._old_names(asv_dir)
+    done = history.migrate(asv_dir)
+    assert len(done) == len(list((RESULTS / "asv" / MACHINE).glob("*-*.json"))) + 1, done
+    assert history.migrate(asv_dir) == [] and not history._old_names(asv_dir)  # idempotent
+    committed = json.loads((RESULTS / "asv" / "benchmarks.json").read_text())
+    assert json.loads((asv_dir / "benchmarks.json").read_text()) == committed
+    for f in (RESULTS / "asv" / MACHINE).glob("*-*.json"):
+        want, got = (
+            json.loads(f.read_text())["results"],
+            json.loads((asv_dir / MACHINE / f.name).read_text())["results"],
+        )
+        assert list(got) == list(want), f.name  # names, in asv's order
+        for name, row in want.items():
+            if name.rpartition(".")[2] in {new for new, _ in history.RENAMED.values()}:
+                assert got[name][1:] == row[1:]
+                assert got[name][0] == pytest.approx(row[0], rel=1e-12, nan_ok=True), (f.name, name)
+            else:
+                assert got[name] == row, (f.name, name)
+
+
+def test_publish_refuses_results_under_the_old_names(tmp_path: Path) -> None:
+    shutil.copytree(RESULTS / "asv", tmp_path / "results" / "asv")
+    _unmigrate(tmp_path / "results" / "asv")
+    r = tilepilot("publish", results=tmp_path / "results")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "benchmarks.json" in r.stderr and "python -m tilepilot.history migrate" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def test_the_suites_version_is_the_one_the_history_was_recorded_under() -> None:

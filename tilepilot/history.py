@@ -2,16 +2,26 @@
 
 asv is driven through its own command line: `asv machine`, `asv run --environment existing`,
 `asv publish`. The environment capture goes into the machine's machine.json as extra keys.
+
+The published pages work offline: asv's index.html loads jQuery, flot and bootstrap from CDNs,
+and publish points those tags at copies shipped in tilepilot/www/vendor (MANIFEST.json there).
+
+`migrate` renames the benchmarks of results recorded before every value became lower-is-better
+(RENAMED), in place, through asv's own Results API: `python -m tilepilot.history migrate [DIR]`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +32,28 @@ ROOT = record.ROOT
 CONF = ROOT / "asv.conf.json"
 ASV_RESULTS = record.RESULTS / "asv"
 HTML = Path(os.environ.get("TILEPILOT_HTML", ROOT / "html"))
+VENDOR = Path(__file__).resolve().parent / "www" / "vendor"
+
+
+def _inverse(scale: float) -> Callable[[float], float | None]:
+    return lambda x: scale / x if math.isfinite(x) and x > 0 else None
+
+
+# asv takes lower as better (its Regressions page lists increases only), so the higher-is-better
+# tracks were replaced: old method name -> (new method name, the old value's conversion). Every suite
+# that had the old method has the new one; the latencies the gate reads (track_*_ms) kept their names.
+RENAMED: dict[str, tuple[str, Callable[[float], float | None]]] = {
+    "track_speedup": ("track_relative_time", _inverse(1.0)),  # reference/kernel -> kernel/reference
+    "track_kernel_tflops": ("track_kernel_ms_per_tflop", _inverse(1000.0)),  # TFLOP/s -> ms per TFLOP
+    "track_speedup_shipped": ("track_shipped_relative_time", _inverse(1.0)),  # -> shipped/framework
+    "track_speedup_tilelang": ("track_tilelang_relative_time", _inverse(1.0)),  # -> tilelang/framework
+}
+
+
+def new_name(name: str) -> str:
+    """A benchmark's name after the rename: bench_gemm.TrackGemm.track_speedup -> ...track_relative_time."""
+    head, _, method = name.rpartition(".")
+    return f"{head}.{RENAMED[method][0]}" if method in RENAMED else name
 
 
 def _conf(tmp: Path) -> Path:
@@ -69,10 +101,188 @@ def run(machine: str, commit: str, capture: dict[str, Any], env: dict[str, str])
 def publish(html: Path = HTML) -> int:
     if not ASV_RESULTS.is_dir() or not any(ASV_RESULTS.glob("*/machine.json")):
         raise UserError(f"{ASV_RESULTS}: no asv results yet; run `nox -s pilot-sm90` on a GPU host first")
+    stale = _old_names(ASV_RESULTS)
+    if stale:  # their higher-is-better values would list improvements as regressions
+        path, names = stale[0]
+        raise UserError(
+            f"{path}: benchmarks from before the lower-is-better rename ({', '.join(names)}); "
+            f"run `python -m tilepilot.history migrate {ASV_RESULTS}`"
+        )
     rc = asv("publish", "--html-dir", str(html))
     if rc == 0:
+        offline(html)
         print(f"tilepilot: published {len(list(ASV_RESULTS.glob('*/machine.json')))} machine(s) to {html}/index.html")
     return rc
+
+
+# A <script src=...> or <link href=...> tag that loads from another host.
+_REMOTE_TAG = re.compile(r"<(?:script|link)\b[^>]*?\b(?:src|href)=\"(https?://[^\"]+)\"[^>]*>")
+# A CDN's integrity and CORS attributes: a same-folder copy needs none, and file:// pages cannot pass them.
+_CDN_ATTRS = re.compile(r"\s(?:integrity|crossorigin|referrerpolicy)=\"[^\"]*\"")
+
+
+def offline(html: Path) -> None:
+    """Point every remote script and stylesheet of asv's pages at the copies in tilepilot/www/vendor,
+    copied to <html>/vendor: the pages then need no network (an air-gapped cluster, a laptop offline).
+    A remote file that the manifest does not ship is an error: the page would fail without network."""
+    manifest: dict[str, dict[str, Any]] = json.loads((VENDOR / "MANIFEST.json").read_text(encoding="utf-8"))["files"]
+    pages = {}
+    for page in sorted(html.glob("*.html")):
+        text = page.read_text(encoding="utf-8")
+        missing = [url for url in _REMOTE_TAG.findall(text) if url not in manifest]
+        if missing:
+            raise UserError(
+                f"{page}: loads {missing[0]}, which {VENDOR / 'MANIFEST.json'} does not ship; "
+                "add the file there (the README's `Offline pages` says how) or pin the asv it came with"
+            )
+        pages[page] = _REMOTE_TAG.sub(
+            lambda m: _CDN_ATTRS.sub("", m.group(0).replace(m.group(1), f"vendor/{manifest[m.group(1)]['file']}")),
+            text,
+        )
+    shutil.copytree(VENDOR, html / "vendor", dirs_exist_ok=True)
+    for page, text in pages.items():
+        _write_text(page, text)
+
+
+def _write_text(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _result_files(asv_dir: Path) -> list[Path]:
+    return sorted(f for f in asv_dir.glob("*/*.json") if f.name != "machine.json")
+
+
+def _old_names(asv_dir: Path) -> list[tuple[Path, list[str]]]:
+    """(file, old names) for every asv file under asv_dir that still holds a renamed benchmark."""
+    out = []
+    for f in [asv_dir / "benchmarks.json", *_result_files(asv_dir)]:
+        if not f.exists():
+            continue
+        try:
+            data = json.loads(f.read_text(encoding="utf-8"))
+            names = data if f.name == "benchmarks.json" else data["results"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
+            raise UserError(f"{f}: corrupt asv file ({exc}); remove it or re-run the pilot") from None
+        old = sorted(n for n in names if n.rpartition(".")[2] in RENAMED)
+        if old:
+            out.append((f, old))
+    return out
+
+
+def describe() -> dict[str, dict[str, Any]]:
+    """asv's description of the current suites (what `asv run` saves as benchmarks.json), through
+    asv_runner's own discovery, in a fresh process as asv runs it."""
+    code = (
+        "import io, sys; from asv_runner.discovery import list_benchmarks; "
+        "fp = io.StringIO(); list_benchmarks(sys.argv[1], fp); print(fp.getvalue())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT / "benchmarks")], capture_output=True, text=True, cwd=ROOT, check=False
+    )
+    if out.returncode != 0:
+        raise UserError(f"{ROOT / 'benchmarks'}: asv's discovery failed: {out.stderr.strip().splitlines()[-1:]}")
+    return {b["name"]: b for b in json.loads(out.stdout)}
+
+
+def migrate(asv_dir: Path = ASV_RESULTS) -> list[str]:
+    """Rename the RENAMED benchmarks in every asv file under asv_dir, converting their values, so that
+    the history shows under the new names. The other benchmarks' values, samples, statistics and
+    versions stay as they were (asv's load and save round-trip them byte for byte). benchmarks.json
+    takes the current suites' descriptions (units, parameter names, code), keeping its own case
+    lists and versions. Idempotent; returns what it changed."""
+    from asv import util
+    from asv.results import Results
+
+    done = []
+    for f in _result_files(asv_dir):
+        try:
+            res = Results.load(str(f))
+        except Exception as exc:  # asv raises its own UserError, KeyError, JSON errors
+            raise UserError(f"{f}: corrupt asv result ({exc}); remove it or re-run the pilot") from None
+        old = [k for k in res.get_all_result_keys() if k.rpartition(".")[2] in RENAMED]
+        if not old:
+            continue
+        for key in old:
+            _rename(f, res, key)
+        with tempfile.TemporaryDirectory(dir=asv_dir, prefix=".migrate-") as tmp:
+            res.save(tmp)
+            os.replace(Path(tmp) / res._filename, f)
+        done.append(f"{f}: {', '.join(f'{k} -> {new_name(k)}' for k in old)}")
+    bfile = asv_dir / "benchmarks.json"
+    if bfile.exists():
+        data = util.load_json(str(bfile), api_version=2)
+        current = describe()
+        out = {}
+        for name, entry in data.items():
+            if name == "version":
+                continue
+            new = new_name(name)
+            if new not in current:
+                raise UserError(
+                    f"{bfile}: {name} is not a benchmark of {ROOT / 'benchmarks'} (as {new}); "
+                    "migrate with the checkout the results came from"
+                )
+            out[new] = {**current[new], "params": entry["params"], "version": entry["version"]}
+        if out != {k: v for k, v in data.items() if k != "version"}:
+            fd, tmp = tempfile.mkstemp(dir=asv_dir, prefix=".benchmarks.json.", suffix=".tmp")
+            os.close(fd)
+            try:
+                util.write_json(tmp, out, api_version=2)
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, bfile)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            done.append(f"{bfile}: the current suites' descriptions")
+    return done
+
+
+def _rename(f: Path, res: Any, key: str) -> None:
+    """One benchmark of one asv Results renamed in place (its position kept), its values converted."""
+    convert = RENAMED[key.rpartition(".")[2]][1]
+    target = new_name(key)
+    if target in res.get_all_result_keys():
+        raise UserError(f"{f}: holds both {key} and {target}; drop one of them")
+    if any(x is not None for x in (res._samples.get(key) or [])) or any(x for x in (res._stats.get(key) or [])):
+        # Samples and statistics would need converting one by one; these tracks never had any.
+        raise UserError(f"{f}: {key} has samples or statistics, which the rename does not convert")
+    values = res._results[key]
+    if isinstance(values, list):
+        values = [None if v is None else convert(float(v)) for v in values]
+    elif values is not None:
+        values = convert(float(values))
+    for attr in (
+        "_results",
+        "_benchmark_params",
+        "_benchmark_version",
+        "_started_at",
+        "_duration",
+        "_samples",
+        "_stats",
+        "_profiles",
+    ):
+        table = getattr(res, attr)
+        if key in table:
+            value = values if attr == "_results" else table[key]
+            setattr(res, attr, {(target if k == key else k): (value if k == key else v) for k, v in table.items()})
+
+
+if __name__ == "__main__":
+    if len(sys.argv) not in (2, 3) or sys.argv[1] != "migrate":
+        sys.exit("usage: python -m tilepilot.history migrate [ASV_RESULTS_DIR]")
+    try:
+        for line in migrate(Path(sys.argv[2]) if len(sys.argv) == 3 else ASV_RESULTS) or ["nothing to migrate"]:
+            print(f"tilepilot: {line}")
+    except UserError as exc:
+        sys.exit(f"tilepilot: {exc}")
 
 
 def machines(device: str) -> list[str]:
