@@ -85,10 +85,10 @@ def test_migrate_renames_the_history_and_keeps_the_latencies(tmp_path: Path) -> 
     asv_dir = tmp_path / "asv"
     shutil.copytree(RESULTS / "asv", asv_dir)
     _unmigrate(asv_dir)
-    assert history._old_names(asv_dir)
+    assert history.old_names(asv_dir)
     done = history.migrate(asv_dir)
     assert len(done) == len(list((RESULTS / "asv" / MACHINE).glob("*-*.json"))) + 1, done
-    assert history.migrate(asv_dir) == [] and not history._old_names(asv_dir)  # idempotent
+    assert history.migrate(asv_dir) == [] and not history.old_names(asv_dir)  # idempotent
     committed = json.loads((RESULTS / "asv" / "benchmarks.json").read_text())
     assert json.loads((asv_dir / "benchmarks.json").read_text()) == committed
     for f in (RESULTS / "asv" / MACHINE).glob("*-*.json"):
@@ -105,7 +105,7 @@ def test_migrate_renames_the_history_and_keeps_the_latencies(tmp_path: Path) -> 
                 assert got[name] == row, (f.name, name)
 
 
-def test_publish_refuses_results_under_the_old_names(tmp_path: Path) -> None:
+def test_publish_refuses_results_under_theold_names(tmp_path: Path) -> None:
     shutil.copytree(RESULTS / "asv", tmp_path / "results" / "asv")
     _unmigrate(tmp_path / "results" / "asv")
     r = tilepilot("publish", results=tmp_path / "results")

@@ -192,6 +192,20 @@ def test_a_corrupt_asv_file_stops_the_merge_naming_it(tmp_path: Path) -> None:
     assert not into.exists()
 
 
+def test_a_source_under_the_names_before_the_rename_is_refused(tmp_path: Path) -> None:
+    into = tmp_path / "history"
+    src = _source(tmp_path / "src", COMMITS[-1:])
+    (res,) = (src / "asv" / MACHINE).glob("*-existing-*.json")
+    data = json.loads(res.read_text())
+    data["results"]["bench_gemm.TrackGemm.track_speedup"] = data["results"].pop(
+        "bench_gemm.TrackGemm.track_relative_time"
+    )
+    res.write_text(json.dumps(data))
+    with pytest.raises(UserError, match=r"names before the rename .*tilepilot.history migrate"):
+        merge.merge([src], into)
+    assert not (into / "records").exists() and not (into / "asv").exists()
+
+
 def test_merge_command_errors_are_one_line(tmp_path: Path) -> None:
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "x.txt").write_text("x")

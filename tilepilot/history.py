@@ -101,7 +101,7 @@ def run(machine: str, commit: str, capture: dict[str, Any], env: dict[str, str])
 def publish(html: Path = HTML) -> int:
     if not ASV_RESULTS.is_dir() or not any(ASV_RESULTS.glob("*/machine.json")):
         raise UserError(f"{ASV_RESULTS}: no asv results yet; run `nox -s pilot-sm90` on a GPU host first")
-    stale = _old_names(ASV_RESULTS)
+    stale = old_names(ASV_RESULTS)
     if stale:  # their higher-is-better values would list improvements as regressions
         path, names = stale[0]
         raise UserError(
@@ -160,7 +160,7 @@ def _result_files(asv_dir: Path) -> list[Path]:
     return sorted(f for f in asv_dir.glob("*/*.json") if f.name != "machine.json")
 
 
-def _old_names(asv_dir: Path) -> list[tuple[Path, list[str]]]:
+def old_names(asv_dir: Path) -> list[tuple[Path, list[str]]]:
     """(file, old names) for every asv file under asv_dir that still holds a renamed benchmark."""
     out = []
     for f in [asv_dir / "benchmarks.json", *_result_files(asv_dir)]:

@@ -344,6 +344,20 @@ def _check_sources(sources: list[Path], into: Path, plan: Plan) -> list[Path]:
     return trees
 
 
+def _refuse_old_names(src: Path) -> None:
+    """asv results written before the lower-is-better renames would hide a history's pages (publish
+    refuses them): such a source is migrated where it lies, by its owner, not silently here."""
+    from tilepilot import history
+
+    stale = history.old_names(src / "asv")
+    if stale:
+        f, names = stale[0]
+        raise UserError(
+            f"{f}: asv results under the names before the rename ({names[0]}, ...); "
+            f"run `python -m tilepilot.history migrate {src / 'asv'}` first; nothing merged"
+        )
+
+
 def plan(sources: list[Path], into: Path, policy: Policy = "refuse", out: Plan | None = None) -> Plan:
     """What merging sources into `into` would do; reads only. A refused duplicate is a UserError."""
     if policy not in POLICIES:
@@ -351,6 +365,7 @@ def plan(sources: list[Path], into: Path, policy: Policy = "refuse", out: Plan |
     out = out or Plan()
     claimed: dict[tuple[str, str], Path] = {}
     for src in _check_sources(sources, into, out):
+        _refuse_old_names(src)
         _plan_records(src, into, out, claimed)
         _plan_asv(src, into, out)
         _plan_files(src, into, "repro", out)
