@@ -116,8 +116,11 @@ _TERM: TextIO = sys.stdout
 _LOGGING = False
 
 
+_LIVE = False  # a live progress line is on the terminal: a line said over it clears it first
+
+
 def say(msg: str) -> None:
-    print(f"tilepilot: {msg}", file=_TERM, flush=True)
+    print(("\r\x1b[K" if _LIVE else "") + f"tilepilot: {msg}", file=_TERM, flush=True)
     if _LOGGING:  # the log tells the whole story, the pilot's own lines included
         print(f"tilepilot: {msg}", flush=True)
 
@@ -169,6 +172,8 @@ class Progress:
         self._thread = threading.Thread(target=self._tick, daemon=True)
         self._thread.start()
         if self.live:
+            global _LIVE
+            _LIVE = True
             self._draw()
 
     def line(self) -> str:
@@ -201,6 +206,8 @@ class Progress:
         self._stop.set()
         self._thread.join()
         if self.live:
+            global _LIVE
+            _LIVE = False
             _TERM.write("\r\x1b[K")
             _TERM.flush()
         return time.perf_counter() - self.t0
