@@ -129,6 +129,16 @@ def test_without_the_gpu_it_stops_before_building(tmp_path: Path) -> None:
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "no sm90 GPU here" in r.stderr and "H100, H200" in r.stderr and "--compile-only" in r.stderr
     assert not (tmp_path / "results").exists() and not (tmp_path / "cache").exists()
+    # Container mode asks the driver's tool before it builds the image (minutes the first time).
+    c = subprocess.run(
+        [sys.executable, "-m", "tilepilot", "pilot", "--device", "sm90"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        check=False,
+    )
+    assert c.returncode == 2 and len(c.stderr.strip().splitlines()) == 1 and "no sm90 GPU here" in c.stderr, c.stderr
 
 
 @pytest.mark.skipif(not UNPINNED, reason="this environment is sm90's pinned stack")

@@ -597,16 +597,30 @@ def summary_table(run: Run, sel: list[cases.Case]) -> str:
     return tabulate(rows, headers=head, tablefmt="simple")
 
 
-def _where(run: Run, gpu: dict[str, Any]) -> str:
+def _where(device: str, dev: matrix.Device, here: str) -> str:
     """One line: this device's pilot needs its GPU, where that is, and how to go on without it."""
-    dev = run.mx.device(run.device)
-    here = gpu.get("name") or gpu.get("why") or "no GPU"
     return (
-        f"no {run.device} GPU here ({here}): the {run.device} pilot measures on an {dev.name} GPU "
-        f"({', '.join(dev.gpu_names)}; {dev.arch}): run it on such a host (`nox -s pilot-{run.device}`, or "
+        f"no {device} GPU here ({here}): the {device} pilot measures on an {dev.name} GPU "
+        f"({', '.join(dev.gpu_names)}; {dev.arch}): run it on such a host (`nox -s pilot-{device}`, or "
         f"`tilepilot submit --engine slurm`), or pass --compile-only to build and check the kernels here "
         "without measuring anything"
     )
+
+
+def _host_gpu(dev: matrix.Device) -> str | None:
+    """The device's GPU on this host, asked of the driver's own tool (container mode's host need not
+    have torch): its name, or None."""
+    if dev.vendor == "nvidia":
+        out = envinfo._run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"])
+        for line in (out or "").splitlines():
+            name, _, cap = line.rpartition(",")
+            if cap.strip() == dev.compute_capability:
+                return name.strip()
+    elif dev.vendor == "amd":
+        out = envinfo._run(["rocminfo"])
+        if out and dev.arch in out:
+            return dev.arch
+    return None
 
 
 def _pytest_missing() -> str | None:
@@ -646,6 +660,11 @@ def pilot(
     if not host:  # the same pilot, inside the device's pinned image (built or reused first)
         from tilepilot import containers
 
+        if not compile_only and dev.vendor != "cpu" and _host_gpu(dev) is None:  # before the image's build
+            tool = "nvidia-smi" if dev.vendor == "nvidia" else "rocminfo"
+            lists = f"lists no {dev.compute_capability if dev.vendor == 'nvidia' else dev.arch} GPU"
+            raise UserError(_where(device, dev, f"{tool} {lists}" if shutil.which(tool) else f"no {tool}"))
+
         tag = containers.build(mx, device, rebuild=rebuild, wheelhouse=wheelhouse)
         args = [
             *(["--cases", pattern] if pattern else []),
@@ -673,7 +692,8 @@ def pilot(
         "install it (README: Set-up) or pass --allow-unpinned (the records say so, and the gate fails the run)"
     )
     if not on_gpu and not compile_only:
-        raise UserError(_where(run, env["gpu"]) + (f"; also, {pins}" if unpinned and not allow_unpinned else ""))
+        here = env["gpu"].get("name") or env["gpu"].get("why") or "no GPU"
+        raise UserError(_where(device, dev, here) + (f"; also, {pins}" if unpinned and not allow_unpinned else ""))
     if unpinned and not allow_unpinned:
         raise UserError(pins)
     if (why := _pytest_missing()) is not None:
