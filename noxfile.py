@@ -4,14 +4,21 @@ nox -s pilot-sm90            # build, correctness, measure (asv), publish; host 
 nox -s tests                 # the test suite, in its own pinned virtualenv
 nox -s lint | publish | gate
 nox -s submit -- --engine slurm [--devices sm90,sm80]   # one job per device, then merge + gate
+
+The sessions that run tilepilot use, in this order: the interpreter TILEPILOT_PYTHON names; nox's
+own interpreter when it can import the project's stack (nothing is installed then, as on a GPU host
+with `--no-venv`); otherwise a session virtualenv (reused) that gets the device's pinned Python and
+torch, then the project with TileLang and pytest.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import nox
 import tomllib
@@ -19,99 +26,183 @@ import tomllib
 ROOT = Path(__file__).resolve().parent
 nox.options.sessions = ["tests", "lint"]
 nox.options.default_venv_backend = "venv"
+# A pinned Python that is not installed fails its session: a skipped session would read as success.
+nox.options.error_on_missing_interpreters = True
 
 # The test environment's torch: the CPU build that machines without a GPU install (see README).
 TEST_TORCH = "torch==2.13.0"
 
+# What `python -m tilepilot` imports (the project's dependencies); the pilot and tune need the
+# kernels' compiler and the correctness step's pytest too.
+NEEDS = ("pydantic", "tabulate", "asv", "docker", "jinja2", "yaml", "torch")
+NEEDS_PILOT = (*NEEDS, "tilelang", "pytest")
+# An interpreter that has the project's stack, to run tilepilot with instead of nox's own.
+PYTHON = os.environ.get("TILEPILOT_PYTHON") or None
 
-def _devices() -> list[str]:
-    # Only the names: full validation (with one-line errors) is `tilepilot matrix check`, run first.
+
+def _missing(modules: tuple[str, ...]) -> list[str]:
+    return [m for m in modules if importlib.util.find_spec(m) is None]
+
+
+def _load_matrix() -> dict[str, Any]:
+    """The raw matrix: the device ids and their pins. Full validation (one-line errors) is `tilepilot
+    matrix check`, run first by every session; here a broken file still lists the static sessions,
+    and says on stderr why the device sessions are missing."""
+    path = ROOT / "matrix.toml"
     try:
-        return list(tomllib.loads((ROOT / "matrix.toml").read_text())["devices"])
-    except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError):
-        return []
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        if isinstance(raw.get("devices"), dict) and all(isinstance(v, dict) for v in raw["devices"].values()):
+            return raw
+        why = "no [devices.<id>] tables"
+    except OSError as exc:
+        why = f"cannot be read ({exc.strerror})"
+    except tomllib.TOMLDecodeError as exc:
+        why = f"not valid TOML: {exc}"
+    print(
+        f"nox: {path}: {why}; the pilot-, image-, lock- and tune- sessions are missing until it is fixed "
+        "(`tilepilot matrix check` validates it)",
+        file=sys.stderr,
+    )
+    return {"devices": {}}
 
 
-def _tilepilot(session: nox.Session, *args: str) -> None:
-    session.run(sys.executable if session.venv_backend == "none" else "python", "-m", "tilepilot", *args,
-                env={"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})  # fmt: skip
+MATRIX = _load_matrix()
 
 
-def _docker_reachable() -> bool:
-    try:
-        import docker
+def _pins(device: str | None) -> dict[str, Any]:
+    """A device's pins; for the sessions of no one device (gate, publish, ...), the first required one's."""
+    if device is None:
+        required = MATRIX.get("gate", {}).get("required") or list(MATRIX["devices"])
+        device = required[0] if required else None
+    pins = MATRIX["devices"].get(device, {}) if device else {}
+    return pins if isinstance(pins, dict) else {}
 
-        docker.from_env(timeout=3).ping()
-        return True
-    except Exception:
-        return False
+
+def _venv(needs: tuple[str, ...]) -> bool:
+    """Whether a session needs a virtualenv of its own: no TILEPILOT_PYTHON, and nox's interpreter
+    lacks part of the stack. Decided when the sessions are declared (nox asks for it then)."""
+    return PYTHON is None and bool(_missing(needs))
+
+
+def _interpreter(session: nox.Session, needs: tuple[str, ...], pins: dict[str, Any]) -> str:
+    """The interpreter that runs tilepilot for this session; in a session virtualenv, it first gets
+    the pinned torch and the project (pip's output shown: the first install takes minutes)."""
+    if PYTHON is not None:
+        if shutil.which(PYTHON) is None:
+            session.error(f"TILEPILOT_PYTHON={PYTHON}: no such interpreter; point it at one that has the project")
+        return PYTHON
+    if session.venv_backend == "none":
+        missing = _missing(needs)
+        if missing:  # e.g. `--no-venv` under a nox installed on its own (pipx): install nothing, say why
+            session.error(
+                f"{sys.executable} (nox's interpreter) cannot import {', '.join(missing)}: run nox without "
+                "--no-venv (a session virtualenv gets the pinned stack), or set TILEPILOT_PYTHON to an "
+                "interpreter with the project installed (`python3 -m pip install -e '.[tilelang]'`)"
+            )
+        return sys.executable
+    torch = f"torch=={pins['torch']}" if pins.get("torch") else "torch"
+    index = ["--index-url", pins["torch_index"]] if pins.get("torch_index") else []
+    session.log(f"installing {torch} from {pins.get('torch_index') or 'PyPI'} (the device's pin), then the project")
+    session.install(torch, *index, silent=False)
+    session.install("-e", ".[tilelang]", silent=False)
+    return "python"
+
+
+def _tilepilot(session: nox.Session, python: str, *args: str) -> None:
+    session.run(
+        python,
+        "-m",
+        "tilepilot",
+        *args,
+        external=True,
+        env={"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
+    )
+
+
+def _docker_reachable(session: nox.Session, python: str) -> bool:
+    # Asked of the interpreter that runs the pilot: nox's own may not have the docker package.
+    probe = "import docker\ntry:\n    docker.from_env(timeout=3).ping(); print('reachable')\nexcept Exception: pass"
+    out = session.run(python, "-c", probe, external=True, silent=True, success_codes=[0, 1])
+    return isinstance(out, str) and "reachable" in out
 
 
 def _pilot(session: nox.Session, device: str) -> None:
+    python = _interpreter(session, NEEDS_PILOT, _pins(device))
     args = list(session.posargs)
-    _tilepilot(session, "matrix", "check")
+    _tilepilot(session, python, "matrix", "check")
     if "--host" not in args:
-        if _docker_reachable():
+        if _docker_reachable(session, python):
             session.log(f"Docker engine reachable: the pilot runs in {device}'s pinned image (--host: here)")
         else:
-            session.log("no Docker engine reachable: host mode, in this environment (nothing is installed)")
+            session.log("no Docker engine reachable: host mode, in this environment")
             args.append("--host")
-    _tilepilot(session, "pilot", "--device", device, *args)
+    _tilepilot(session, python, "pilot", "--device", device, *args)
 
 
-for _dev in _devices():
+def _session_args(device: str | None, needs: tuple[str, ...]) -> dict[str, Any]:
+    """nox's session arguments: no virtualenv where none is needed; else one with the pinned Python."""
+    if not _venv(needs):
+        return {"venv_backend": "none"}
+    return {"python": _pins(device).get("python"), "reuse_venv": True}
 
-    @nox.session(name=f"pilot-{_dev}", venv_backend="none")
+
+for _dev in MATRIX["devices"]:
+
+    @nox.session(name=f"pilot-{_dev}", **_session_args(_dev, NEEDS_PILOT))
     def _pilot_session(session: nox.Session, device: str = _dev) -> None:
         _pilot(session, device)
 
     _pilot_session.__doc__ = f"The pilot for {_dev}: build, correctness, measure (asv), publish."
 
-    @nox.session(name=f"image-{_dev}", venv_backend="none")
+    @nox.session(name=f"image-{_dev}", **_session_args(_dev, NEEDS))
     def _image_session(session: nox.Session, device: str = _dev) -> None:
-        _tilepilot(session, "image", "build", "--device", device, *session.posargs)
+        python = _interpreter(session, NEEDS, _pins(device))
+        _tilepilot(session, python, "image", "build", "--device", device, *session.posargs)
 
     _image_session.__doc__ = f"Build (or reuse) the pinned image for {_dev}; -- --rebuild, --wheelhouse DIR."
 
-    @nox.session(name=f"lock-{_dev}", venv_backend="none")
+    @nox.session(name=f"lock-{_dev}", **_session_args(_dev, NEEDS))
     def _lock_session(session: nox.Session, device: str = _dev) -> None:
-        _tilepilot(session, "image", "lock", "--device", device, *session.posargs)
+        python = _interpreter(session, NEEDS, _pins(device))
+        _tilepilot(session, python, "image", "lock", "--device", device, *session.posargs)
 
-    @nox.session(name=f"tune-{_dev}", venv_backend="none")
+    _lock_session.__doc__ = f"Write containers/locks/{_dev}.lock: the pinned, hash-locked Python stack."
+
+    @nox.session(name=f"tune-{_dev}", **_session_args(_dev, NEEDS_PILOT))
     def _tune_session(session: nox.Session, device: str = _dev) -> None:
-        _tilepilot(session, "matrix", "check")
-        _tilepilot(session, "tune", "--device", device, *session.posargs)
+        python = _interpreter(session, NEEDS_PILOT, _pins(device))
+        _tilepilot(session, python, "matrix", "check")
+        _tilepilot(session, python, "tune", "--device", device, *session.posargs)
 
     _tune_session.__doc__ = (
         f"Autotune {_dev}'s kernels after correctness; winners into kernels/configs/tuned/{_dev}.toml."
     )
 
-    _lock_session.__doc__ = f"Write containers/locks/{_dev}.lock: the pinned, hash-locked Python stack."
 
-
-@nox.session(venv_backend="none")
+@nox.session(**_session_args(None, NEEDS))
 def publish(session: nox.Session) -> None:
     """asv publish: static regression pages per device into html/."""
-    _tilepilot(session, "publish")
+    _tilepilot(session, _interpreter(session, NEEDS, _pins(None)), "publish")
 
 
-@nox.session(venv_backend="none")
+@nox.session(**_session_args(None, NEEDS))
 def submit(session: nox.Session) -> None:
     """The device matrix on a cluster: -- --engine slurm [--devices sm90,sm80]; one job per device + the gate."""
-    _tilepilot(session, "matrix", "check")
-    _tilepilot(session, "submit", *(session.posargs or ["--engine", "slurm"]))
+    python = _interpreter(session, NEEDS, _pins(None))
+    _tilepilot(session, python, "matrix", "check")
+    _tilepilot(session, python, "submit", *(session.posargs or ["--engine", "slurm"]))
 
 
-@nox.session(venv_backend="none")
+@nox.session(**_session_args(None, NEEDS))
 def status(session: nox.Session) -> None:
     """The state of each device's job in the newest (or -- --submission ID) submission."""
-    _tilepilot(session, "status", *session.posargs)
+    _tilepilot(session, _interpreter(session, NEEDS, _pins(None)), "status", *session.posargs)
 
 
-@nox.session(venv_backend="none")
+@nox.session(**_session_args(None, NEEDS))
 def gate(session: nox.Session) -> None:
     """The release gate: the device x operator table; exit 0 only when every required device passes."""
-    _tilepilot(session, "gate", *session.posargs)
+    _tilepilot(session, _interpreter(session, NEEDS, _pins(None)), "gate", *session.posargs)
 
 
 @nox.session

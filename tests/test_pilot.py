@@ -1,6 +1,8 @@
 """The pilot workflow on a machine without the GPU (compile-only), through its command line: a case
 that hangs and one that crashes are killed and recorded as failed with their reproducers, the other
-cases go on, and a second run reuses the cold compiles of unchanged kernels."""
+cases go on, and a second run reuses the cold compiles of unchanged kernels. And what it refuses
+before any work: no GPU without --compile-only, a stack off its pins without --allow-unpinned, no
+pytest; and the steps that could not run, which fail the run with their reason."""
 
 from __future__ import annotations
 
@@ -9,16 +11,25 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tilepilot import cases, envinfo, matrix, pilot, record
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = "gemm/tiny-16/float16/*"
+MX = matrix.load()
+ON_SM90 = envinfo.device_of_gpu(envinfo.capture()["gpu"]) == "sm90"
+UNPINNED = envinfo.pin_differences(MX.device("sm90"), envinfo.capture(), check_driver=False)
+COMPILE_ONLY = ("--compile-only", "--allow-unpinned")
 
 
-def pilot(results: Path, cache: Path, **env: str) -> subprocess.CompletedProcess[str]:
+def run_pilot(results: Path, cache: Path, *flags: str, **env: str) -> subprocess.CompletedProcess[str]:
     full = {**os.environ, "TILEPILOT_RESULTS": str(results), "TILEPILOT_CACHE": str(cache), **env}
     full.pop("PYTEST_XDIST_WORKER", None)
     cmd = [sys.executable, "-m", "tilepilot", "pilot", "--device", "sm90", "--host", "--cases", CASES, "--workers", "2"]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=full, timeout=600, check=False)
+    return subprocess.run([*cmd, *flags], capture_output=True, text=True, cwd=ROOT, env=full, timeout=600, check=False)
 
 
 def only_run(results: Path) -> Path:
@@ -30,16 +41,29 @@ def only_run(results: Path) -> Path:
 
 def test_hang_and_crash_are_contained(tmp_path: Path) -> None:
     results, cache = tmp_path / "results", tmp_path / "cache"
-    r = pilot(results, cache, TILEPILOT_INJECT="hang:gemm/tiny-16/float16/nt,crash:gemm/tiny-16/float16/nn",
-              TILEPILOT_CASE_TIMEOUT="10")  # fmt: skip
+    r = run_pilot(
+        results,
+        cache,
+        *COMPILE_ONLY,
+        TILEPILOT_CASE_TIMEOUT="30",  # a fallback test takes ~8 s on a loaded 2-core machine
+        TILEPILOT_PROGRESS_S="1",
+        TILEPILOT_INJECT="hang:gemm/tiny-16/float16/nt,crash:gemm/tiny-16/float16/nn",
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     run = only_run(results)
     corr = json.loads((run / "correctness.json").read_text())
     rows = {c["case"]: c for c in corr["cases"]}
     assert rows["gemm/tiny-16/float16/nt"]["status"] == "failed"
-    assert rows["gemm/tiny-16/float16/nt"]["why"].startswith("hung: no result after 10s")
+    assert rows["gemm/tiny-16/float16/nt"]["why"].startswith("hung: no result after 30s")
     assert rows["gemm/tiny-16/float16/nn"]["why"] == "crashed: signal SIGSEGV"
-    assert corr["restarts"] == 2 and json.loads((run / "run.json").read_text())["failed"] is True
+    rec = json.loads((run / "run.json").read_text())
+    assert corr["restarts"] == 2 and rec["failed"] is True
+    assert any(f.startswith("correctness: 2 of 2 cases failed") for f in rec["failures"]), rec["failures"]
+    # Every record says how the run was made: compile-only, and on which stack.
+    for name in ("build.json", "correctness.json", "run.json"):
+        head = json.loads((run / name).read_text())
+        assert head["compile_only"] is True and head["gpu_run"] is False, name
+        assert head["allow_unpinned"] is True and head["unpinned"] == UNPINNED, name
     for case, kind in (("nt", "hang"), ("nn", "crash")):
         folder = results / "repro" / "sm90" / f"gemm__tiny-16__float16__{case}"
         info = json.loads((folder / "failure.json").read_text())
@@ -51,8 +75,14 @@ def test_hang_and_crash_are_contained(tmp_path: Path) -> None:
         "cold_reused_from" in c for c in build["cases"]
     )
     assert any("test_fallback.py" in t for t in corr["tests"])
+    # TileLang's per-kernel lines went to the run's log, each compile named; the terminal got progress.
+    log = (run / "pilot.log").read_text()
+    assert "TileLang begins to compile kernel" in log and "cold compile of gemm/tiny-16/float16/nt" in log
+    assert "begins to compile" not in r.stdout + r.stderr
+    assert "tilepilot: build 2/2: cold compile" in r.stdout or "tilepilot: build 2/2: warm start" in r.stdout
+    assert "tilepilot: correctness " in r.stdout and "FAILED: correctness: 2 of 2 cases failed" in r.stdout
 
-    again = pilot(results, cache)
+    again = run_pilot(results, cache, *COMPILE_ONLY)
     assert again.returncode == 0, again.stdout + again.stderr
     second = only_run(results)
     assert second != run
@@ -62,3 +92,150 @@ def test_hang_and_crash_are_contained(tmp_path: Path) -> None:
     rows = {c["case"]: c for c in json.loads((second / "correctness.json").read_text())["cases"]}
     assert {r["status"] for r in rows.values()} == {"skipped"}  # no GPU: skipped, never passed
     assert "cold compile of 2 unchanged kernels reused" in again.stdout
+    assert json.loads((second / "run.json").read_text())["failures"] == []
+    # The summary: the operator's row, what the run was, and where its record is.
+    table = [x for x in again.stdout.splitlines() if x.startswith("gemm ")]
+    assert len(table) == 1 and "2/2" in table[0] and "0/2 (2 skipped)" in table[0] and "(2 reused)" in table[0]
+    assert "COMPILE-ONLY: 2 kernels built and checked; nothing measured" in again.stdout
+    assert f"record: {second}" in again.stdout
+
+    # pytest that cannot run as asked (a usage error: exit 4) is a failed run, never "0 failed".
+    broken = run_pilot(results, cache, *COMPILE_ONLY, PYTEST_ADDOPTS="--no-such-pytest-flag")
+    assert broken.returncode == 1, broken.stdout + broken.stderr
+    third = only_run(results)
+    rec = json.loads((third / "run.json").read_text())
+    assert rec["failed"] is True and rec["failures"][0].startswith(
+        "correctness could not run: pytest exit 4 (usage error)"
+    )
+    assert "FAILED: correctness could not run: pytest exit 4" in broken.stdout
+
+
+def test_pytest_missing_stops_before_any_work(tmp_path: Path) -> None:
+    """The report that started this: without pytest the pilot used to record `0 passed, 0 failed`."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "pytest.py").write_text("raise ImportError('No module named pytest (this environment lacks it)')\n")
+    r = run_pilot(
+        tmp_path / "results", tmp_path / "cache", *COMPILE_ONLY, PYTHONPATH=os.pathsep.join([str(shadow), str(ROOT)])
+    )
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "pytest cannot be imported" in r.stderr and ".[tilelang]" in r.stderr
+    assert not (tmp_path / "results").exists()  # nothing built, nothing recorded
+
+
+@pytest.mark.skipif(ON_SM90, reason="an sm90 GPU is here")
+def test_without_the_gpu_it_stops_before_building(tmp_path: Path) -> None:
+    r = run_pilot(tmp_path / "results", tmp_path / "cache", "--allow-unpinned")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "no sm90 GPU here" in r.stderr and "H100, H200" in r.stderr and "--compile-only" in r.stderr
+    assert not (tmp_path / "results").exists() and not (tmp_path / "cache").exists()
+    # Container mode asks the driver's tool before it builds the image (minutes the first time).
+    c = subprocess.run(
+        [sys.executable, "-m", "tilepilot", "pilot", "--device", "sm90"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        check=False,
+    )
+    assert c.returncode == 2 and len(c.stderr.strip().splitlines()) == 1 and "no sm90 GPU here" in c.stderr, c.stderr
+
+
+@pytest.mark.skipif(not UNPINNED, reason="this environment is sm90's pinned stack")
+def test_an_unpinned_stack_stops_with_each_difference(tmp_path: Path) -> None:
+    r = run_pilot(tmp_path / "results", tmp_path / "cache", "--compile-only")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "not sm90's pinned stack" in r.stderr and "--allow-unpinned" in r.stderr
+    for difference in UNPINNED:
+        assert difference in r.stderr
+    assert not (tmp_path / "results").exists()
+
+
+def h200(**change: Any) -> dict[str, Any]:
+    """The lent H200 host's stack, as envinfo.capture() records it."""
+    env = {
+        "python": "3.12.3",
+        "torch": {"version": "2.11.0+cu130", "cuda": "13.0", "hip": None},
+        "tilelang": "0.1.15",
+        "toolkit_version": "13.0",
+        "gpu": {"present": True, "driver": "580.159.04"},
+    }
+    for key, value in change.items():
+        env[key] = {**env[key], **value} if isinstance(value, dict) else value
+    return env
+
+
+def test_pin_differences() -> None:
+    sm90 = MX.device("sm90")
+    assert envinfo.pin_differences(sm90, h200(), check_driver=True) == []
+    got = envinfo.pin_differences(
+        sm90,
+        h200(
+            python="3.11.9",
+            torch={"version": "2.14.1+cpu", "cuda": None},
+            toolkit_version="12.8",
+            gpu={"driver": "575.51.03"},
+            tilelang=None,
+        ),
+        check_driver=True,
+    )
+    assert got == [
+        "python 3.11 != pinned 3.12",
+        "torch 2.14.1+cpu != pinned 2.11.0",
+        "tilelang not installed != pinned 0.1.15",
+        "torch built for CUDA none (a CPU build) != pinned 13.0",
+        "nvcc 12.8 != pinned 13.0",
+        "driver 575.51.03 < pinned 580",
+    ]
+    # No GPU to load (compile-only): the driver is not asked; a GPU with no driver version is.
+    assert envinfo.pin_differences(sm90, h200(gpu={"driver": None}), check_driver=False) == []
+    assert envinfo.pin_differences(sm90, h200(gpu={"driver": None}), check_driver=True) == [
+        "driver version unknown != pinned >= 580"
+    ]
+
+
+class _At(pilot.Run):
+    """A Run whose folder is a test's own."""
+
+    where: Path = Path()
+
+    @property
+    def dir(self) -> Path:
+        return self.where
+
+
+def test_steps_that_ran_on_nothing_fail(tmp_path: Path) -> None:
+    sel = cases.expand(MX, "gemm/tiny-16/*")
+    run = _At("sm90", MX, {}, None, 1, 1, tmp_path)
+    run.where, run.on_gpu = tmp_path, True
+    # pytest exit 1 and no case recorded ("No module named pytest" in the child): not "0 failed".
+    got = pilot._correctness_failures(run, sel, {}, {}, 1, "")
+    assert got == [f"correctness: no case has a result ({len(sel)} selected); see {tmp_path / 'pilot.log'}"]
+    # On the GPU a skipped case has no excuse; a case with no row is not a pass.
+    rows = {c.id: {"case": c.id, "status": "passed"} for c in sel[1:]}
+    rows[sel[1].id] = {"case": sel[1].id, "status": "skipped", "why": "no sm90 device"}
+    got = pilot._correctness_failures(run, sel, rows, {}, 0, "")
+    assert got == [
+        f"correctness: no result for 1 of {len(sel)} cases (first: {sel[0].id})",
+        f"correctness: 1 cases skipped on the sm90 GPU (first: {sel[1].id}: no sm90 device)",
+    ]
+    # The measurement: asv's exit, measure.json, every selected case of every operator, the model block.
+    assert pilot._measure_failures(run, sel, 0) == [
+        f"measure: the measurement did not run (no {tmp_path / 'measure.json'})"
+    ]
+    head = {"schema": record.SCHEMA, "complete": True}
+    record.write_json(tmp_path / "measure.json", {**head, "kind": "measure-all", "seconds": 1.0, "parts": {}})
+    record.write_json(
+        tmp_path / "measure-gemm.json",
+        {
+            **head,
+            "kind": "measure",
+            "cases": {c.id: {"speedup": 1.0} for c in sel[:-1]} | {sel[-1].id: {"error": "OOM"}},
+        },
+    )
+    got = pilot._measure_failures(run, sel, 3)
+    assert got == [
+        f"measure: asv exited 3; see {tmp_path / 'pilot.log'}",
+        f"measure: 1 of {len(sel)} gemm cases not measured (first: {sel[-1].id}: OOM)",
+        "model: the model block was not measured (no model.json)",
+    ]

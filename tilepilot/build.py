@@ -19,6 +19,7 @@ import os
 import shutil
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
@@ -97,6 +98,7 @@ def _cold(case: Case, device: str, cache_dir: str, diag_dir: str | None) -> dict
     from kernels import _config
 
     out: dict[str, Any] = {"case": case.id, "device": device}
+    print(f"tilepilot: cold compile of {case.id}", flush=True)  # names the case in the log of TileLang's lines
     ch = choice(case, device)
     if ch is None:  # a device with no kernel configs (the CPU smoke device) or none for this operator
         out.update(status="no-config", reason=f"no {case.op} config for {device}")
@@ -127,6 +129,7 @@ def _cold(case: Case, device: str, cache_dir: str, diag_dir: str | None) -> dict
 def _warm(case: Case, device: str, cache_dir: str) -> float:
     # A fresh process (a new pool) whose only source of the kernel is the cache the cold step filled.
     os.environ["TILELANG_CACHE_DIR"] = cache_dir
+    print(f"tilepilot: warm start of {case.id}", flush=True)
     t0 = time.perf_counter()
     compile_case(case, device)
     return time.perf_counter() - t0
@@ -162,12 +165,13 @@ def _load_index(run_cache: Path | None) -> dict[str, Any]:
 
 def build_all(
     cases: list[Case], device: str, work: Path, run_cache: Path | None, workers: int, warm: bool = True,
-    cold: str = "always", run: str = "",
+    cold: str = "always", run: str = "", progress: Callable[[str, str, int, int], None] | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Cold-compile every case (in parallel), then time warm starts; merge caches into run_cache.
 
     cold="changed" reuses the cold-compile figure of a case whose compile_key the run cache has
     already measured (its kernel is in that cache too); "always" measures every case.
+    `progress(phase, case id, done, total)` hears of each case done.
     """
     from tilepilot import record
 
@@ -188,8 +192,10 @@ def build_all(
         with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=ctx, initializer=_init_worker) as pool:
             fresh = pool.map(_cold, [cases[i] for i in todo], [device] * len(todo), [str(dirs[i]) for i in todo],
                              [diag] * len(todo))  # fmt: skip
-            for i, r in zip(todo, fresh, strict=True):
+            for n, (i, r) in enumerate(zip(todo, fresh, strict=True), 1):
                 results[i] = {**r, "compile_key": keys[i], "run": run}
+                if progress is not None:
+                    progress("cold compile", cases[i].id, n, len(todo))
     done: list[dict[str, Any]] = [r for r in results if r is not None]
     if warm:
         # A fresh process whose only source of the kernel is a cache: the private one a cold compile
@@ -201,8 +207,10 @@ def build_all(
                 max_workers=min(workers, len(ok)), mp_context=ctx, initializer=_init_worker
             ) as pool:
                 times = pool.map(_warm, [cases[i] for i in ok], [device] * len(ok), where)
-                for i, t in zip(ok, times, strict=True):
+                for n, (i, t) in enumerate(zip(ok, times, strict=True), 1):
                     done[i]["warm_s"] = t
+                    if progress is not None:
+                        progress("warm start", cases[i].id, n, len(ok))
     if run_cache is not None:
         for d in dirs.values():
             if d.exists():

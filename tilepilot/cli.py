@@ -16,49 +16,118 @@ from typing import NoReturn
 from tilepilot import matrix
 from tilepilot.errors import UserError
 
+EXAMPLES = """\
+examples:
+  # the pilot for an H100/H200 host, in this environment (the pinned stack: README, Set-up)
+  tilepilot pilot --device sm90 --host
+
+  # on a machine without the GPU: build and check the kernels only, on whatever stack is here
+  tilepilot pilot --device sm90 --host --compile-only --allow-unpinned --cases 'gemm/tiny-16/*'
+
+  # the release verdict for the checked-out commit: gate/gate.md, exit 0 only on PASS
+  tilepilot gate --commit HEAD
+"""
+
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with a bad flag answered in one line (the usage is one `--help` away) and exit 2."""
+    """Bad flags get one line (not the usage block), naming the flag; exit status 2."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (argparse turns the ValueError into one line, exit 2)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a whole number >= 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a number > 0")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
     from tilepilot import merge  # its docstring is `merge --help`: the rules, the messages, the exit status
 
-    p = _Parser(prog="tilepilot", description=__doc__)
+    p = _Parser(
+        prog="tilepilot", description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--matrix", type=Path, default=matrix.DEFAULT_PATH, help="path to matrix.toml")
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    sub = p.add_subparsers(
+        dest="cmd",
+        required=True,
+        metavar="COMMAND",
+        help="one of these (COMMAND --help: its flags)",
+        parser_class=_Parser,
+    )
     m = sub.add_parser("matrix", help="matrix.toml commands")
-    m.add_argument("action", choices=["check"])
+    m.add_argument("action", choices=["check"], help="check: validate matrix.toml (one line per problem, exit 2)")
     sub.add_parser("env", help="print the environment capture")
     c = sub.add_parser("cases", help="list the case ids")
     c.add_argument("--cases", default=None, help="fnmatch globs over case ids, comma-separated")
-    r = sub.add_parser("pilot", help="build, correctness, measure, publish for one device")
-    r.add_argument("--device", required=True)
+    r = sub.add_parser(
+        "pilot",
+        help="build, correctness, measure, publish for one device",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    r.add_argument("--device", required=True, help="the matrix.toml device to run for (sm90, sm80, gfx942, ...)")
     r.add_argument("--host", action="store_true", help="run in this environment, not the pinned image")
     r.add_argument("--cases", default=None, help="fnmatch globs over case ids, comma-separated")
-    r.add_argument("--workers", type=int, default=None, help="compile workers (default: all cores)")
-    r.add_argument("--trials", type=int, default=3)
-    r.add_argument("--no-publish", action="store_true")
-    r.add_argument("--cold", choices=["changed", "always"], default="changed",
-                   help="cold compiles: measure only kernels whose source, config or stack changed (default), or all")  # fmt: skip
+    r.add_argument("--workers", type=positive_int, default=None, help="compile workers (default: all cores)")
+    r.add_argument(
+        "--trials",
+        type=positive_int,
+        default=3,
+        help="correctness trials per case, each on fresh seeded inputs (default: 3)",
+    )
+    r.add_argument(
+        "--no-publish", action="store_true", help="leave html/ as it is (asv publish is `tilepilot publish`)"
+    )
+    r.add_argument(
+        "--cold",
+        choices=["changed", "always"],
+        default="changed",
+        help="cold compiles: measure only kernels whose source, config or stack changed (default), or all",
+    )
+    r.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="without the device's GPU: build and check the kernels, measure nothing (otherwise exit 2)",
+    )
+    r.add_argument(
+        "--allow-unpinned",
+        action="store_true",
+        help="run on a stack that differs from the device's pins; the records list the differences "
+        "(`unpinned`) and the gate fails the run (otherwise exit 2)",
+    )
     r.add_argument("--rebuild", action="store_true", help="container mode: build the image even if its tag exists")
     r.add_argument("--wheelhouse", type=Path, default=None, help="container mode: install wheels from DIR, offline")
     i = sub.add_parser("image", help="the device's pinned image: lock, render, build")
-    i.add_argument("action", choices=["lock", "render", "build", "tag"])
-    i.add_argument("--device", required=True)
-    i.add_argument("--rebuild", action="store_true")
+    i.add_argument(
+        "action",
+        choices=["lock", "render", "build", "tag"],
+        help="lock: write containers/locks/<device>.lock; render: print the Dockerfile; build: build or "
+        "reuse the image; tag: print its tag",
+    )
+    i.add_argument("--device", required=True, help="the matrix.toml device whose image it is")
+    i.add_argument("--rebuild", action="store_true", help="build the image even if its tag exists")
     i.add_argument("--wheelhouse", type=Path, default=None, help="resolve (lock) or install (build) from DIR")
     sub.add_parser("publish", help="asv publish into html/")
     t = sub.add_parser("tune", help="autotune the representative cases whose pinned config passes correctness (GPU)")
-    t.add_argument("--device", required=True)
+    t.add_argument("--device", required=True, help="the matrix.toml device to tune for; its GPU must be here")
     t.add_argument("--ops", default="gemm,attention", help="comma-separated operators (default: gemm,attention)")
     t.add_argument("--cases", default=None, help="fnmatch globs over case ids")
-    t.add_argument("--budget-s", type=float, default=480.0, help="stop starting new cases after this many seconds")
+    t.add_argument(
+        "--budget-s", type=positive_float, default=480.0, help="stop starting new cases after this many seconds"
+    )
     sm = sub.add_parser("submit", help="the device matrix on a cluster: one pilot job per device, then merge + gate")
-    sm.add_argument("--engine", choices=["slurm"], required=True)
+    sm.add_argument("--engine", choices=["slurm"], required=True, help="the scheduler to submit to")
     sm.add_argument(
         "--devices", default=None, help="comma-separated device ids (default: every device with a slurm table)"
     )
@@ -67,23 +136,31 @@ def _parser() -> argparse.ArgumentParser:
         "--workdir", type=Path, default=None, help="where job scripts, logs and staging trees go (default: jobs/)"
     )
     sm.add_argument("--gate-partition", default="", help="partition of the merge/gate job (default: the cluster's)")
-    sm.add_argument("--on-duplicate", choices=["refuse", "keep-both"], default="refuse",
-                    help="when a machine's results of the commit are already in the history")  # fmt: skip
+    sm.add_argument(
+        "--on-duplicate",
+        choices=["refuse", "keep-both"],
+        default="refuse",
+        help="when a machine's results of the commit are already in the history",
+    )
     st = sub.add_parser("status", help="the state of each device's job in a submission")
     st.add_argument("--submission", default=None, help="its id or folder (default: the newest)")
-    st.add_argument("--workdir", type=Path, default=None)
+    st.add_argument("--workdir", type=Path, default=None, help="where the submissions are (default: jobs/)")
     co = sub.add_parser("collect", help="(the gate job) final job states, merge, publish, gate")
-    co.add_argument("--submission", required=True)
+    co.add_argument("--submission", required=True, help="the submission's id or folder")
     mg = sub.add_parser(
         "merge",
         help="merge results trees (job staging folders, CI artifacts) into the history",
         description=merge.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    mg.add_argument("sources", nargs="*", type=Path)
+    mg.add_argument("sources", nargs="*", type=Path, help="results trees to merge (each like results/)")
     mg.add_argument("--into", type=Path, default=None, help="the history to merge into (default: results/)")
-    mg.add_argument("--on-duplicate", choices=["refuse", "keep-both"], default="refuse",
-                    help="a second result of the same machine, commit and case: stop (default) or keep both runs' samples")  # fmt: skip
+    mg.add_argument(
+        "--on-duplicate",
+        choices=["refuse", "keep-both"],
+        default="refuse",
+        help="a second result of the same machine, commit and case: stop (default) or keep both runs' samples",
+    )
     mg.add_argument(
         "--lock-timeout",
         type=float,
@@ -92,7 +169,7 @@ def _parser() -> argparse.ArgumentParser:
         help=f"how long to wait for another merge into the same history (default: {merge.LOCK_TIMEOUT_S:g})",
     )
     ci = sub.add_parser("ci", help="GitHub Actions: render .github/workflows/pilot.yml from matrix.toml")
-    ci.add_argument("action", choices=["render"])
+    ci.add_argument("action", choices=["render"], help="render: write the workflow and actionlint's config")
     ci.add_argument(
         "--out",
         type=Path,
@@ -145,9 +222,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "pilot":
             from tilepilot import pilot
 
-            return pilot.pilot(args.device, host=args.host, pattern=args.cases, workers=args.workers,
-                               trials=args.trials, matrix_path=args.matrix, publish=not args.no_publish,
-                               cold=args.cold, rebuild=args.rebuild, wheelhouse=args.wheelhouse)  # fmt: skip
+            return pilot.pilot(
+                args.device,
+                host=args.host,
+                pattern=args.cases,
+                workers=args.workers,
+                trials=args.trials,
+                matrix_path=args.matrix,
+                publish=not args.no_publish,
+                cold=args.cold,
+                rebuild=args.rebuild,
+                wheelhouse=args.wheelhouse,
+                compile_only=args.compile_only,
+                allow_unpinned=args.allow_unpinned,
+            )
         if args.cmd == "image":
             from tilepilot import containers
 
@@ -166,12 +254,19 @@ def main(argv: list[str] | None = None) -> int:
 
             return history.publish()
         if args.cmd == "tune":
-            from tilepilot import tune
+            from tilepilot import cases, tune
 
             ops = [o for o in args.ops.split(",") if o]
             bad = [o for o in ops if o not in mx.pilot.operators]
             if bad:
                 raise UserError(f"--ops {bad[0]!r}: not an operator of matrix.toml ({', '.join(mx.pilot.operators)})")
+            mx.device(args.device)
+            # Before the GPU is looked for: a pattern that selects nothing is a typo, wherever it runs.
+            if not [c for c in cases.expand(mx, args.cases) if c.group == "representative" and c.op in ops]:
+                raise UserError(
+                    f"--cases {args.cases!r} matches no representative {'/'.join(ops)} case in matrix.toml "
+                    "(`tilepilot cases` lists them)"
+                )
             return tune.tune(args.device, ops, args.cases, args.budget_s, args.matrix)
         if args.cmd == "submit":
             from tilepilot import slurm
@@ -179,13 +274,21 @@ def main(argv: list[str] | None = None) -> int:
             devices = args.devices.split(",") if args.devices else [d for d, r in mx.devices.items() if r.slurm]
             if not devices:
                 raise UserError(f"{args.matrix}: no device has a [devices.<id>.slurm] table to submit")
-            sub = slurm.submit(mx, devices, args.matrix.resolve(), workdir=args.workdir or slurm.WORKDIR,
-                               pilot_args=["--cases", args.cases] if args.cases else [],
-                               gate_partition=args.gate_partition, on_duplicate=args.on_duplicate)  # fmt: skip
+            sub = slurm.submit(
+                mx,
+                devices,
+                args.matrix.resolve(),
+                workdir=args.workdir or slurm.WORKDIR,
+                pilot_args=["--cases", args.cases] if args.cases else [],
+                gate_partition=args.gate_partition,
+                on_duplicate=args.on_duplicate,
+            )
             for d, j in sub["devices"].items():
                 print(f"tilepilot: {d}: slurm job {j['job']} ({j['script']})")
-            print(f"tilepilot: merge, publish, gate: slurm job {sub['gate']['job']} (afterany); "
-                  f"`tilepilot status --submission {sub['id']}` shows them")  # fmt: skip
+            print(
+                f"tilepilot: merge, publish, gate: slurm job {sub['gate']['job']} (afterany); "
+                f"`tilepilot status --submission {sub['id']}` shows them"
+            )
             return 0
         if args.cmd == "status":
             from tilepilot import slurm

@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -51,6 +52,19 @@ def toolkit() -> dict[str, Any]:
     if hipcc is not None:
         return {"name": "rocm", "hipcc": hipcc.splitlines()[0]}
     return {"name": None}
+
+
+def toolkit_version() -> str | None:
+    """The compiler's own version, major.minor ("13.0" from nvcc's "release 13.0", "6.4" from hipcc's
+    "HIP version: 6.4.43482"); None without one. Apart from toolkit(), whose text keys the cold-compile cache."""
+    for cmd, pattern in (
+        (["nvcc", "--version"], r"release (\d+\.\d+)"),
+        (["hipcc", "--version"], r"HIP version: (\d+\.\d+)"),
+    ):
+        out = _run(cmd)
+        if out is not None and (m := re.search(pattern, out)):
+            return m.group(1)
+    return None
 
 
 def gpu() -> dict[str, Any]:
@@ -102,6 +116,7 @@ def capture() -> dict[str, Any]:
         "torch": torch_info,
         "tilelang": version("tilelang"),
         "toolkit": toolkit(),
+        "toolkit_version": toolkit_version(),
         "gpu": gpu(),
         "git": git(),
         "image": os.environ.get("TILEPILOT_IMAGE"),  # the pinned image this ran in; None: host mode
@@ -116,3 +131,53 @@ def device_of_gpu(info: dict[str, Any]) -> str | None:
 
     major, minor = (int(x) for x in info["capability"].split("."))
     return _config.device_for_capability(major, minor)
+
+
+def _numbers(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", version))
+
+
+def _major_minor(version: str | None) -> str | None:
+    m = re.match(r"(\d+)\.(\d+)", version or "")
+    return f"{m.group(1)}.{m.group(2)}" if m else None
+
+
+def rocm_version() -> str | None:
+    """The ROCm release installed (the AMD devices' min_driver is one), or None."""
+    try:
+        return Path("/opt/rocm/.info/version").read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None
+
+
+def pin_differences(pins: Any, env: dict[str, Any], check_driver: bool) -> list[str]:
+    """Each way this environment differs from a matrix device's pins (tilepilot.matrix.Device), one
+    short phrase each ("torch 2.13.0 != pinned 2.11.0"); empty when the stack is the pinned one.
+    The driver is checked only where a GPU runs (`check_driver`): a compile-only run loads none."""
+    out: list[str] = []
+    py = _major_minor(env["python"])
+    if py != pins.python:
+        out.append(f"python {py} != pinned {pins.python}")
+    torch_v = env["torch"].get("version")
+    if torch_v is None:
+        out.append(f"torch not installed (pinned {pins.torch})")
+    elif torch_v.split("+")[0] != pins.torch:  # the local part (+cu130) is the build, checked below
+        out.append(f"torch {torch_v} != pinned {pins.torch}")
+    if env.get("tilelang") != pins.tilelang:
+        out.append(f"tilelang {env.get('tilelang') or 'not installed'} != pinned {pins.tilelang}")
+    if pins.toolkit == "none":  # a CPU smoke device: no compiler, no GPU stack to pin
+        return out
+    name = "CUDA" if pins.toolkit == "cuda" else "ROCm"
+    built = env["torch"].get("cuda") if pins.toolkit == "cuda" else env["torch"].get("hip")
+    if torch_v is not None and _major_minor(built) != pins.toolkit_version:
+        out.append(f"torch built for {name} {built or 'none (a CPU build)'} != pinned {pins.toolkit_version}")
+    compiler = "nvcc" if pins.toolkit == "cuda" else "hipcc"
+    if env.get("toolkit_version") != pins.toolkit_version:
+        out.append(f"{compiler} {env.get('toolkit_version') or 'not found'} != pinned {pins.toolkit_version}")
+    if check_driver:
+        driver = env["gpu"].get("driver") if pins.toolkit == "cuda" else rocm_version()
+        if driver is None:
+            out.append(f"driver version unknown != pinned >= {pins.min_driver}")
+        elif _numbers(driver) < _numbers(pins.min_driver):
+            out.append(f"driver {driver} < pinned {pins.min_driver}")
+    return out

@@ -2,27 +2,49 @@
 
     build -> correctness -> measure (asv) -> publish -> gate
 
-On a host without the device's GPU it does what it can (the build, compile-only) and says what it
-could not; nothing it skips is ever reported as passed.
+Before any work it checks what the run could not be trusted without: the device's GPU, the pinned
+stack (matrix.toml's Python, torch and its CUDA/ROCm, TileLang, compiler, driver) and pytest. It
+stops with one line where one is missing (exit 2), unless told to go on: `--compile-only` builds and
+checks the kernels without the GPU and measures nothing; `--allow-unpinned` runs on another stack and
+every record says so (the gate fails such a run).
+
+A step that could not run, or ran on nothing, fails the run with its reason (run.json's `failures`,
+exit 1): nothing the pilot skipped is ever reported as passed.
+
+The pilot's own lines go to the terminal, one progress display per step (a live line on a terminal,
+plain periodic lines otherwise); what its workers and children print (TileLang's per-kernel log,
+pytest, asv) goes into the run's pilot.log.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from tilepilot import build, cases, envinfo, matrix, record
 from tilepilot.errors import UserError
 
 ROOT = record.ROOT
+# pytest's exit statuses that mean the suite did not run as asked (not "some tests failed").
+PYTEST_COULD_NOT_RUN = {
+    2: "interrupted or a collection error",
+    3: "internal error",
+    4: "usage error",
+    5: "no tests collected",
+}
 
 
 @dataclass
@@ -37,6 +59,9 @@ class Run:
     cold: str = "changed"
     case_timeout_s: float = float(os.environ.get("TILEPILOT_CASE_TIMEOUT", "600"))
     on_gpu: bool = False
+    compile_only: bool = False
+    unpinned: list[str] = field(default_factory=list)
+    allow_unpinned: bool = False
     machine: str = ""
     commit: str = ""
     rid: str = field(default_factory=record.run_id)
@@ -50,10 +75,27 @@ class Run:
     def dir(self) -> Path:
         return record.run_dir(self.machine, self.commit, self.rid)
 
+    @property
+    def log(self) -> Path:
+        return self.dir / "pilot.log"
+
     def header(self, kind: str) -> dict[str, Any]:
-        return {"kind": kind, "schema": record.SCHEMA, "device": self.device, "machine": self.machine,
-                "commit": self.commit, "run": self.rid, "env": self.env, "pattern": self.pattern,
-                "gpu_run": self.on_gpu, "pins": self.mx.device(self.device).model_dump()}  # fmt: skip
+        # unpinned: each difference from the device's pins; a run with any is never a release run.
+        return {
+            "kind": kind,
+            "schema": record.SCHEMA,
+            "device": self.device,
+            "machine": self.machine,
+            "commit": self.commit,
+            "run": self.rid,
+            "env": self.env,
+            "pattern": self.pattern,
+            "gpu_run": self.on_gpu,
+            "compile_only": self.compile_only,
+            "unpinned": self.unpinned,
+            "allow_unpinned": self.allow_unpinned,
+            "pins": self.mx.device(self.device).model_dump(),
+        }
 
 
 def machine_name(device: str, gpu: dict[str, Any], on_gpu: bool) -> str:
@@ -68,15 +110,121 @@ def _rel(path: Path) -> str:
     return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
 
 
+# The terminal: while a run's children write into its log (fds 1 and 2), the pilot's own lines and
+# progress still reach the terminal through a copy of the original stdout.
+_TERM: TextIO = sys.stdout
+_LOGGING = False
+
+
+_LIVE = False  # a live progress line is on the terminal: a line said over it clears it first
+
+
 def say(msg: str) -> None:
-    print(f"tilepilot: {msg}", flush=True)
+    print(("\r\x1b[K" if _LIVE else "") + f"tilepilot: {msg}", file=_TERM, flush=True)
+    if _LOGGING:  # the log tells the whole story, the pilot's own lines included
+        print(f"tilepilot: {msg}", flush=True)
+
+
+@contextlib.contextmanager
+def children_to(log: Path) -> Iterator[None]:
+    """Point fds 1 and 2 at `log` (appending): every worker and subprocess inherits them, so
+    TileLang's per-kernel INFO lines, pytest's and asv's output land in the log, not the terminal."""
+    global _TERM, _LOGGING
+    log.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    term = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8", errors="replace")
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    old_term, _TERM, _LOGGING = _TERM, term, True
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for s in saved:
+            os.close(s)
+        _TERM, _LOGGING = old_term, False
+        term.close()
+
+
+def _clock(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+class Progress:
+    """One step's progress: what it is working on, how far, since when. On a terminal, one live line
+    redrawn every second; otherwise (a log, CI) a plain line every TILEPILOT_PROGRESS_S seconds (15)."""
+
+    def __init__(self, step: str, total: int = 0, what: str = "") -> None:
+        self.step, self.total, self.done, self.what = step, total, 0, what
+        self.t0 = time.perf_counter()
+        self.live = _TERM.isatty()
+        self.period = 1.0 if self.live else float(os.environ.get("TILEPILOT_PROGRESS_S", "15"))
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._tick, daemon=True)
+        self._thread.start()
+        if self.live:
+            global _LIVE
+            _LIVE = True
+            self._draw()
+
+    def line(self) -> str:
+        count = f" {self.done}/{self.total}" if self.total else ""
+        return f"{self.step}{count}{': ' + self.what if self.what else ''} [{_clock(time.perf_counter() - self.t0)}]"
+
+    def update(self, done: int | None = None, what: str | None = None, total: int | None = None) -> None:
+        with self._lock:
+            self.done = self.done if done is None else done
+            self.what = self.what if what is None else what
+            self.total = self.total if total is None else total
+        if self.live:
+            self._draw()
+
+    def _draw(self) -> None:
+        with self._lock:
+            text = self.line()
+        if self.live:
+            width = shutil.get_terminal_size((100, 20)).columns - 1
+            _TERM.write("\r\x1b[K" + f"tilepilot: {text}"[:width])
+            _TERM.flush()
+        else:
+            print(f"tilepilot: {text}", file=_TERM, flush=True)
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.period):
+            self._draw()
+
+    def close(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        if self.live:
+            global _LIVE
+            _LIVE = False
+            _TERM.write("\r\x1b[K")
+            _TERM.flush()
+        return time.perf_counter() - self.t0
 
 
 def step_build(run: Run, sel: list[cases.Case]) -> list[dict[str, Any]]:
-    t0 = time.perf_counter()
-    results = build.build_all(sel, run.device, run.dir / "build-work", run.cache, run.workers, cold=run.cold,
-                              run=run.rid)  # fmt: skip
-    run.timings["build_s"] = time.perf_counter() - t0
+    prog = Progress("build", len(sel), "starting the compile workers")
+
+    def done(phase: str, case: str, n: int, total: int) -> None:
+        prog.update(n, f"{phase}, {case} done", total)
+
+    try:
+        results = build.build_all(
+            sel, run.device, run.dir / "build-work", run.cache, run.workers, cold=run.cold, run=run.rid, progress=done
+        )
+    finally:
+        run.timings["build_s"] = prog.close()
     shutil.rmtree(run.dir / "build-work", ignore_errors=True)
     bad = [r for r in results if r["status"] not in ("ok", "no-config")]
     by_id = {c.id: c for c in sel}
@@ -85,14 +233,28 @@ def step_build(run: Run, sel: list[cases.Case]) -> list[dict[str, Any]]:
             from tilepilot import repro
 
             diag = Path(r["diagnostics"]).read_text(encoding="utf-8") if r.get("diagnostics") else ""
-            r["repro"] = _rel(repro.write(by_id[r["case"]], run.device, "compile", "; ".join(r.get("error", [])),
-                                          diagnostics=diag, cfg=r.get("config"), root=run.repro_root))  # fmt: skip
-    record.write_json(run.dir / "build.json", {**run.header("build"), "cases": results, "complete": True,
-                                               "seconds": run.timings["build_s"]})  # fmt: skip
+            r["repro"] = _rel(
+                repro.write(
+                    by_id[r["case"]],
+                    run.device,
+                    "compile",
+                    "; ".join(r.get("error", [])),
+                    diagnostics=diag,
+                    cfg=r.get("config"),
+                    root=run.repro_root,
+                )
+            )
+    record.write_json(
+        run.dir / "build.json",
+        {**run.header("build"), "cases": results, "complete": True, "seconds": run.timings["build_s"]},
+    )
     reused = sum(1 for r in results if "cold_reused_from" in r)
-    say(f"build: {len(results) - len(bad)}/{len(results)} cases built for {run.device} "
-        f"in {run.timings['build_s']:.0f}s" + (f"; {len(bad)} failed" if bad else "")
-        + (f"; cold compile of {reused} unchanged kernels reused (--cold always re-measures)" if reused else ""))  # fmt: skip
+    say(
+        f"build: {len(results) - len(bad)}/{len(results)} cases built for {run.device} "
+        f"in {run.timings['build_s']:.0f}s"
+        + (f"; {len(bad)} failed" if bad else "")
+        + (f"; cold compile of {reused} unchanged kernels reused (--cold always re-measures)" if reused else "")
+    )
     return results
 
 
@@ -108,9 +270,20 @@ def model_kernels(mx: matrix.Matrix, sel: list[cases.Case], pattern: str | None)
 
 def _pytest_cmd(run: Run, out: Path, exclude: Path, attempt: int, with_fallback: bool) -> list[str]:
     # The forced-fallback tests run too: on the GPU they take the public API through every reason.
-    cmd = [sys.executable, "-m", "pytest", str(ROOT / "tests" / "test_correctness.py"), "-q", "-p", "no:cacheprovider",
-           f"--tilepilot-device={run.device}", f"--tilepilot-record={out}", f"--tilepilot-trials={run.trials}",
-           f"--tilepilot-exclude={exclude}", f"--junitxml={run.dir / f'correctness.junit.{attempt}.xml'}"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(ROOT / "tests" / "test_correctness.py"),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--tilepilot-device={run.device}",
+        f"--tilepilot-record={out}",
+        f"--tilepilot-trials={run.trials}",
+        f"--tilepilot-exclude={exclude}",
+        f"--junitxml={run.dir / f'correctness.junit.{attempt}.xml'}",
+    ]
     if with_fallback:
         cmd.insert(4, str(ROOT / "tests" / "test_fallback.py"))
     if run.pattern:
@@ -118,9 +291,15 @@ def _pytest_cmd(run: Run, out: Path, exclude: Path, attempt: int, with_fallback:
     return cmd
 
 
-def _supervise(cmd: list[str], current: Path, timeout_s: float, env: dict[str, str]) -> tuple[int, str | None, str]:
+def _supervise(
+    cmd: list[str],
+    current: Path,
+    timeout_s: float,
+    env: dict[str, str],
+    watch: Callable[[dict[str, Any] | None], None] | None = None,
+) -> tuple[int, str | None, str]:
     """Run pytest; kill it when one case runs past timeout_s. Returns (exit status, the case that was
-    running when it died or hung, how it ended)."""
+    running when it died or hung, how it ended). `watch` sees the running case once a second."""
     current.unlink(missing_ok=True)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
     while True:
@@ -132,12 +311,14 @@ def _supervise(cmd: list[str], current: Path, timeout_s: float, env: dict[str, s
         try:
             cur = json.loads(current.read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            continue
-        if time.time() - cur["started"] > timeout_s:
+            cur = None
+        if watch is not None:
+            watch(cur)
+        if cur is not None and time.time() - cur["started"] > timeout_s:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             return -9, cur["nodeid"], f"hung: no result after {timeout_s:.0f}s; the process was killed"
-    if rc < 0 or rc not in (0, 1, 2, 5):  # a signal, or the interpreter died under pytest
+    if rc < 0 or rc not in (0, 1, *PYTEST_COULD_NOT_RUN):  # a signal, or the interpreter died under pytest
         try:
             cur = json.loads(current.read_text(encoding="utf-8"))
         except (OSError, ValueError):
@@ -147,9 +328,15 @@ def _supervise(cmd: list[str], current: Path, timeout_s: float, env: dict[str, s
     return rc, None, ""
 
 
-def step_correctness(run: Run, sel: list[cases.Case]) -> int:
+def _first(ids: list[str], rows: dict[str, dict[str, Any]]) -> str:
+    why = str(rows[ids[0]].get("why", "")).strip().splitlines() if ids[0] in rows else []
+    return f"{ids[0]}" + (f": {why[-1][:200]}" if why else "")
+
+
+def step_correctness(run: Run, sel: list[cases.Case]) -> list[str]:
     """The pytest suite, supervised: a case that crashes its process or hangs is killed, recorded as
-    failed with its reproducer, and the rest of the cases run on in a fresh process."""
+    failed with its reproducer, and the rest of the cases run on in a fresh process. Returns the
+    reasons the step failed or could not run (empty: every case has its result)."""
     from tilepilot import repro
 
     t0 = time.perf_counter()
@@ -159,24 +346,43 @@ def step_correctness(run: Run, sel: list[cases.Case]) -> int:
     env = {**os.environ, "TILELANG_CACHE_DIR": str(run.cache)}
     by_node = {f"test_correctness[{c.id}]": c for c in sel}
     dead: dict[str, dict[str, Any]] = {}
-    rc = 0
-    for attempt in range(len(sel) + 1):
-        exclude.write_text("\n".join(dead), encoding="utf-8")
-        # The fallback tests run in the first process that gets to them (a crash may come first).
-        with_fallback = not (lines.exists() and '"test":' in lines.read_text(encoding="utf-8"))
-        cmd = _pytest_cmd(run, out, exclude, attempt, with_fallback and not any("test_fallback" in d for d in dead))
-        rc, nodeid, how = _supervise(cmd, current, run.case_timeout_s, env)
-        if nodeid is None:
-            break
-        case = next((c for n, c in by_node.items() if nodeid.endswith(n)), None)
-        say(f"correctness: {nodeid}: {how}; recorded as failed, the other cases go on")
-        if case is None:  # a fallback test took the process down: that is a failed run, not a case
-            dead[nodeid] = {"test": nodeid, "outcome": "failed", "why": how}
-            continue
-        path = repro.write(case, run.device, "hang" if how.startswith("hung") else "crash", how,
-                           root=run.repro_root, on_device=run.on_gpu)  # fmt: skip
-        dead[case.id] = {"case": case.id, "group": case.group, "status": "failed", "why": how,
-                         "repro": _rel(path)}  # fmt: skip
+    rc, how = 0, ""
+    prog = Progress("correctness", len(sel), "starting pytest")
+
+    def watch(cur: dict[str, Any] | None) -> None:
+        try:
+            done = lines.read_text(encoding="utf-8").count('"case":') + len(dead)
+        except OSError:
+            done = len(dead)
+        what = f"{cur['nodeid'].split('::')[-1]} for {_clock(time.time() - cur['started'])}" if cur else "between cases"
+        prog.update(done, what)
+
+    try:
+        for attempt in range(len(sel) + 1):
+            exclude.write_text("\n".join(dead), encoding="utf-8")
+            # The fallback tests run in the first process that gets to them (a crash may come first).
+            with_fallback = not (lines.exists() and '"test":' in lines.read_text(encoding="utf-8"))
+            cmd = _pytest_cmd(run, out, exclude, attempt, with_fallback and not any("test_fallback" in d for d in dead))
+            print(f"tilepilot: correctness, process {attempt + 1}: {shlex.join(cmd)}", flush=True)  # into the log
+            rc, nodeid, how = _supervise(cmd, current, run.case_timeout_s, env, watch)
+            if nodeid is None:
+                break
+            case = next((c for n, c in by_node.items() if nodeid.endswith(n)), None)
+            say(f"correctness: {nodeid}: {how}; recorded as failed, the other cases go on")
+            if case is None:  # a fallback test took the process down: that is a failed run, not a case
+                dead[nodeid] = {"test": nodeid, "outcome": "failed", "why": how}
+                continue
+            path = repro.write(
+                case,
+                run.device,
+                "hang" if how.startswith("hung") else "crash",
+                how,
+                root=run.repro_root,
+                on_device=run.on_gpu,
+            )
+            dead[case.id] = {"case": case.id, "group": case.group, "status": "failed", "why": how, "repro": _rel(path)}
+    finally:
+        prog.close()
     rows: dict[str, dict[str, Any]] = {}
     tests: dict[str, dict[str, Any]] = {}
     if lines.exists():
@@ -194,33 +400,130 @@ def step_correctness(run: Run, sel: list[cases.Case]) -> int:
     for row in rows.values():  # wrong values: the reproducer, minimized on the device
         if (row["status"] == "failed" or row.get("kernel_status") == "failed") and "repro" not in row:
             case = next(c for c in sel if c.id == row["case"])
-            path = repro.write(case, run.device, "wrong", json.dumps(row.get("trials", row))[:4000],
-                               root=run.repro_root, on_device=run.on_gpu)  # fmt: skip
+            path = repro.write(
+                case,
+                run.device,
+                "wrong",
+                json.dumps(row.get("trials", row))[:4000],
+                root=run.repro_root,
+                on_device=run.on_gpu,
+            )
             row["repro"] = _rel(path)
     for p in (lines, current, exclude):
         p.unlink(missing_ok=True)
-    failed = any(r["status"] in ("failed", "error") for r in rows.values()) or any(
-        t["outcome"] == "failed" for t in tests.values()
+    failures = _correctness_failures(run, sel, rows, tests, rc, how)
+    record.write_json(
+        out,
+        {
+            **run.header("correctness"),
+            "cases": [rows[c.id] for c in sel if c.id in rows],
+            "tests": tests,
+            "complete": True,
+            "pytest_exit": rc,
+            "restarts": len(dead),
+            "failures": failures,
+        },
     )
-    record.write_json(out, {**run.header("correctness"), "cases": [rows[c.id] for c in sel if c.id in rows],
-                            "tests": tests, "complete": True, "pytest_exit": rc, "restarts": len(dead)})  # fmt: skip
     run.timings["correctness_s"] = time.perf_counter() - t0
-    say(f"correctness: {sum(r['status'] in ('passed', 'fallback') for r in rows.values())} passed, "
+    say(
+        f"correctness: {sum(r['status'] in ('passed', 'fallback') for r in rows.values())} passed, "
         f"{sum(r['status'] == 'skipped' for r in rows.values())} skipped, "
-        f"{sum(r['status'] in ('failed', 'error') for r in rows.values())} failed in {run.timings['correctness_s']:.0f}s; "
-        f"record {_rel(out)}")  # fmt: skip
-    return 1 if failed or dead else 0
+        f"{sum(r['status'] in ('failed', 'error') for r in rows.values())} failed of {len(sel)} cases "
+        f"in {run.timings['correctness_s']:.0f}s; record {_rel(out)}"
+    )
+    return failures
 
 
-def step_measure(run: Run) -> int:
+def _correctness_failures(
+    run: Run,
+    sel: list[cases.Case],
+    rows: dict[str, dict[str, Any]],
+    tests: dict[str, dict[str, Any]],
+    rc: int,
+    how: str,
+) -> list[str]:
+    """Why the correctness step does not count: it could not run, ran on nothing, or found failures."""
+    out: list[str] = []
+    if rc in PYTEST_COULD_NOT_RUN:
+        out.append(f"correctness could not run: pytest exit {rc} ({PYTEST_COULD_NOT_RUN[rc]}); see {_rel(run.log)}")
+    elif how.startswith("pytest died"):
+        out.append(f"correctness could not run: {how}; see {_rel(run.log)}")
+    if not rows:
+        out.append(f"correctness: no case has a result ({len(sel)} selected); see {_rel(run.log)}")
+        return out
+    missing = [c.id for c in sel if c.id not in rows]
+    if missing:
+        out.append(f"correctness: no result for {len(missing)} of {len(sel)} cases (first: {missing[0]})")
+    bad = [c.id for c in sel if rows.get(c.id, {}).get("status") in ("failed", "error")]
+    if bad:
+        out.append(f"correctness: {len(bad)} of {len(sel)} cases failed (first: {_first(bad, rows)})")
+    if run.on_gpu and not run.compile_only:  # on the device's GPU nothing has a reason to skip
+        skipped = [c.id for c in sel if rows.get(c.id, {}).get("status") == "skipped"]
+        if skipped:
+            out.append(
+                f"correctness: {len(skipped)} cases skipped on the {run.device} GPU (first: {_first(skipped, rows)})"
+            )
+    failed_tests = sorted(k for k, t in tests.items() if t.get("outcome") == "failed")
+    if failed_tests:
+        out.append(f"correctness: {len(failed_tests)} other tests failed (first: {failed_tests[0]})")
+    if rc != 0 and not out:  # pytest says something failed that no record shows: not a pass either
+        out.append(f"correctness: pytest exit {rc} with no failure recorded; see {_rel(run.log)}")
+    return out
+
+
+def _measure_failures(run: Run, sel: list[cases.Case], rc: int) -> list[str]:
+    """What the measurement left unmeasured: every selected case of every operator, and the model
+    block when the selection includes it, must have its numbers."""
+    from tilepilot import model
+
+    out = [f"measure: asv exited {rc}; see {_rel(run.log)}"] if rc != 0 else []
+    if not (run.dir / "measure.json").exists():
+        return [*out, f"measure: the measurement did not run (no {_rel(run.dir / 'measure.json')})"]
+    for op in run.mx.pilot.operators:
+        want = [c.id for c in sel if c.op == op]
+        if not want:
+            continue
+        f = run.dir / f"measure-{op}.json"
+        if not f.exists():
+            out.append(f"measure: no {f.name}: {op} was not measured")
+            continue
+        got = record.read_json(f, "measure")["cases"]
+        bad = [i for i in want if i not in got or "error" in got[i]]
+        if bad:
+            why = got.get(bad[0], {}).get("error", "no result")
+            out.append(f"measure: {len(bad)} of {len(want)} {op} cases not measured (first: {bad[0]}: {why})")
+    ids = model.case_ids(run.mx)
+    if run.pattern is None or any(fnmatch.fnmatch(i, p) for i in ids for p in run.pattern.split(",")):
+        f = run.dir / "model.json"
+        if not f.exists():
+            out.append("model: the model block was not measured (no model.json)")
+        else:
+            got = record.read_json(f, "model")["cases"]
+            bad = [i for i in ids if i not in got or "error" in got[i]]
+            if bad:
+                why = got.get(bad[0], {}).get("error", "no result")
+                out.append(
+                    f"model: {len(bad)} of {len(ids)} block configurations not measured (first: {bad[0]}: {why})"
+                )
+    return out
+
+
+def step_measure(run: Run, sel: list[cases.Case]) -> list[str]:
     """asv runs the benchmarks (setup_cache measures once per operator) into results/asv."""
     from tilepilot import history
 
-    t0 = time.perf_counter()
-    env = {**os.environ, "TILELANG_CACHE_DIR": str(run.cache), "TILEPILOT_RUN_DIR": str(run.dir),
-           "TILEPILOT_DEVICE": run.device, "TILEPILOT_CASES": run.pattern or ""}  # fmt: skip
-    rc = history.run(run.machine, run.commit, run.env, env)
-    run.timings["asv_s"] = time.perf_counter() - t0
+    env = {
+        **os.environ,
+        "TILELANG_CACHE_DIR": str(run.cache),
+        "TILEPILOT_RUN_DIR": str(run.dir),
+        "TILEPILOT_DEVICE": run.device,
+        "TILEPILOT_CASES": run.pattern or "",
+    }
+    prog = Progress("measure", 0, f"asv: {len(sel)} cases and the model block, then asv's tracks")
+    try:
+        rc = history.run(run.machine, run.commit, run.env, env)
+    finally:
+        run.timings["asv_s"] = prog.close()
     # The measurement's own time (imports, ceilings, operators, model: what a run without asv takes),
     # as measure.json clocked it, against what asv took around it.
     raw, extra = 0.0, ""
@@ -231,50 +534,233 @@ def step_measure(run: Run) -> int:
         extra = f", {100 * (run.timings['asv_s'] / raw - 1):.1f}% over the measurement's own {raw:.0f}s ({detail})"
     run.timings["measure_raw_s"] = raw
     say(f"measure: asv exit {rc} in {run.timings['asv_s']:.0f}s{extra}")
-    return rc
+    return _measure_failures(run, sel, rc)
 
 
-def pilot(device: str, *, host: bool, pattern: str | None = None, workers: int | None = None, trials: int = 3,
-          matrix_path: Path | None = None, publish: bool = True, cold: str = "changed", rebuild: bool = False,
-          wheelhouse: Path | None = None) -> int:  # fmt: skip
+def _span(values: list[float], fmt: str) -> str:
+    if not values:
+        return "-"
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def summary_table(run: Run, sel: list[cases.Case]) -> str:
+    """Per operator: cases, built, correct, shipped as TileLang, speedup range over the framework op,
+    cold compile and warm start ranges; and the model block. Read back from the run's records."""
+    from tabulate import tabulate
+
+    def load(name: str, kind: str) -> dict[str, Any]:
+        f = run.dir / name
+        return record.read_json(f, kind) if f.exists() else {}
+
+    built = {r["case"]: r for r in load("build.json", "build").get("cases", [])}
+    correct = {r["case"]: r for r in load("correctness.json", "correctness").get("cases", [])}
+    rows = []
+    for op in run.mx.pilot.operators:
+        ids = [c.id for c in sel if c.op == op]
+        if not ids:
+            continue
+        measured = load(f"measure-{op}.json", "measure").get("cases", {})
+        b = [built[i] for i in ids if i in built]
+        c = [correct[i]["status"] for i in ids if i in correct]
+        ok = sum(s in ("passed", "fallback") for s in c)
+        skipped = sum(s == "skipped" for s in c)
+        reused = sum("cold_reused_from" in r for r in b)
+        rows.append(
+            [
+                op,
+                len(ids),
+                f"{sum(r['status'] == 'ok' for r in b)}/{len(ids)}",
+                f"{ok}/{len(ids)}" + (f" ({skipped} skipped)" if skipped else ""),
+                sum(r.get("shipped") == "tilelang" for r in b),
+                _span([float(m["speedup"]) for m in measured.values() if "speedup" in m], "{:.2f}x"),
+                _span([float(r["cold_s"]) for r in b if "cold_s" in r], "{:.1f}s")
+                + (f" ({reused} reused)" if reused else ""),
+                _span([float(r["warm_s"]) for r in b if "warm_s" in r], "{:.2f}s"),
+            ]
+        )
+    block = load("model.json", "model").get("cases", {})
+    if block:
+        rows.append(
+            [
+                "model block",
+                len(block),
+                "-",
+                f"{sum(bool(v.get('agrees')) for v in block.values())}/{len(block)}",
+                "-",
+                _span([float(v["speedup_shipped"]) for v in block.values() if "speedup_shipped" in v], "{:.3f}x"),
+                "-",
+                "-",
+            ]
+        )
+    head = ["operator", "cases", "built", "correct", "shipped TileLang", "speedup", "cold compile", "warm start"]
+    return tabulate(rows, headers=head, tablefmt="simple")
+
+
+def _where(device: str, dev: matrix.Device, here: str) -> str:
+    """One line: this device's pilot needs its GPU, where that is, and how to go on without it."""
+    return (
+        f"no {device} GPU here ({here}): the {device} pilot measures on an {dev.name} GPU "
+        f"({', '.join(dev.gpu_names)}; {dev.arch}): run it on such a host (`nox -s pilot-{device}`, or "
+        f"`tilepilot submit --engine slurm`), or pass --compile-only to build and check the kernels here "
+        "without measuring anything"
+    )
+
+
+def _host_gpu(dev: matrix.Device) -> str | None:
+    """The device's GPU on this host, asked of the driver's own tool (container mode's host need not
+    have torch): its name, or None."""
+    if dev.vendor == "nvidia":
+        out = envinfo._run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"])
+        for line in (out or "").splitlines():
+            name, _, cap = line.rpartition(",")
+            if cap.strip() == dev.compute_capability:
+                return name.strip()
+    elif dev.vendor == "amd":
+        out = envinfo._run(["rocminfo"])
+        if out and dev.arch in out:
+            return dev.arch
+    return None
+
+
+def _pytest_missing() -> str | None:
+    """Why the correctness step's pytest cannot start under this interpreter, or None."""
+    r = subprocess.run([sys.executable, "-c", "import pytest"], capture_output=True, text=True, cwd=ROOT, check=False)
+    if r.returncode == 0:
+        return None
+    last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+    return (
+        f"pytest cannot be imported by {sys.executable} ({last}); the correctness step needs it: "
+        "install the project with `python3 -m pip install -e '.[tilelang]'` (README: Set-up)"
+    )
+
+
+def pilot(
+    device: str,
+    *,
+    host: bool,
+    pattern: str | None = None,
+    workers: int | None = None,
+    trials: int = 3,
+    matrix_path: Path | None = None,
+    publish: bool = True,
+    cold: str = "changed",
+    rebuild: bool = False,
+    wheelhouse: Path | None = None,
+    compile_only: bool = False,
+    allow_unpinned: bool = False,
+) -> int:
     mx = matrix.load(matrix_path or matrix.DEFAULT_PATH)
     dev = mx.device(device)
+    if trials < 1:
+        raise UserError(f"--trials {trials}: must be at least 1")
+    sel = cases.expand(mx, pattern)
+    if not sel:  # before anything runs, the image build included
+        raise UserError(f"--cases {pattern!r} matches no case in matrix.toml (`tilepilot cases` lists them)")
     if not host:  # the same pilot, inside the device's pinned image (built or reused first)
         from tilepilot import containers
 
+        if not compile_only and dev.vendor != "cpu" and _host_gpu(dev) is None:  # before the image's build
+            tool = "nvidia-smi" if dev.vendor == "nvidia" else "rocminfo"
+            lists = f"lists no {dev.compute_capability if dev.vendor == 'nvidia' else dev.arch} GPU"
+            raise UserError(_where(device, dev, f"{tool} {lists}" if shutil.which(tool) else f"no {tool}"))
+
         tag = containers.build(mx, device, rebuild=rebuild, wheelhouse=wheelhouse)
-        args = [*(["--cases", pattern] if pattern else []), *(["--workers", str(workers)] if workers else []),
-                "--trials", str(trials), "--cold", cold, *([] if publish else ["--no-publish"])]  # fmt: skip
+        args = [
+            *(["--cases", pattern] if pattern else []),
+            *(["--workers", str(workers)] if workers else []),
+            "--trials",
+            str(trials),
+            "--cold",
+            cold,
+            *([] if publish else ["--no-publish"]),
+            *(["--compile-only"] if compile_only else []),
+            *(["--allow-unpinned"] if allow_unpinned else []),
+        ]
         return containers.run(mx, device, tag, args, matrix_path or matrix.DEFAULT_PATH)
     env = envinfo.capture()
-    gpu_dev = envinfo.device_of_gpu(env["gpu"])
-    sel = cases.expand(mx, pattern)
-    if not sel:
-        raise UserError(f"--cases {pattern!r} matches no case in matrix.toml")
+    on_gpu = envinfo.device_of_gpu(env["gpu"]) == device
+    # A CPU smoke device has no GPU to measure on: it is compile-only by what it is.
+    compile_only = compile_only or dev.vendor == "cpu"
+    unpinned = envinfo.pin_differences(dev, env, check_driver=on_gpu and not compile_only)
     cache = Path(os.environ.get("TILEPILOT_CACHE", Path.home() / ".cache" / "tilepilot" / device))
     run = Run(device, mx, env, pattern, workers or max(1, (os.cpu_count() or 2)), trials, cache, cold)
-    run.on_gpu = gpu_dev == device
+    run.on_gpu, run.compile_only = on_gpu and not compile_only, compile_only
+    run.unpinned, run.allow_unpinned = unpinned, allow_unpinned
+    pins = (
+        f"this environment is not {device}'s pinned stack (matrix.toml [devices.{device}]): {', '.join(unpinned)}; "
+        "install it (README: Set-up) or pass --allow-unpinned (the records say so, and the gate fails the run)"
+    )
+    if not on_gpu and not compile_only:
+        here = env["gpu"].get("name") or env["gpu"].get("why") or "no GPU"
+        raise UserError(_where(device, dev, here) + (f"; also, {pins}" if unpinned and not allow_unpinned else ""))
+    if unpinned and not allow_unpinned:
+        raise UserError(pins)
+    if (why := _pytest_missing()) is not None:
+        raise UserError(why)
     run.machine = machine_name(device, env["gpu"], run.on_gpu)
     run.commit = env["git"]["commit"] or "uncommitted"
-    say(f"{device} ({dev.name}) on {env['gpu'].get('name', 'no GPU')}: {len(sel)} cases, run {run.rid}, "
-        f"commit {run.commit[:12]}{' (dirty)' if env['git']['dirty'] else ''}")  # fmt: skip
-    if not run.on_gpu:
+    say(
+        f"{device} ({dev.name}) on {env['gpu'].get('name', 'no GPU')}: {len(sel)} cases, run {run.rid}, "
+        f"commit {run.commit[:12]}{' (dirty)' if env['git']['dirty'] else ''}"
+    )
+    if unpinned:
+        say(f"UNPINNED (--allow-unpinned): {', '.join(unpinned)}; every record says so and the gate fails this run")
+    if compile_only:
         have = env["gpu"].get("name") or env["gpu"].get("why")
-        say(f"no {device} GPU here ({have}): compile-only. Not run: correctness on the GPU, latency, memory, asv.")
+        say(
+            f"COMPILE-ONLY ({have}): builds and checks what it can; nothing is measured "
+            "(no correctness on the GPU, latency, memory or asv)"
+        )
+    say(f"the workers' and children's output (TileLang, pytest, asv) goes to {_rel(run.log)}")
     t0 = time.perf_counter()
-    step_build(run, sel + model_kernels(mx, sel, pattern))
-    rc = step_correctness(run, sel)
-    failed = rc != 0
-    if run.on_gpu:
-        failed |= step_measure(run) != 0
-        if publish:
-            from tilepilot import history
+    failures: list[str] = []
+    with children_to(run.log):
+        results = step_build(run, sel + model_kernels(mx, sel, pattern))
+        bad = [r["case"] for r in results if r["status"] not in ("ok", "no-config")]
+        if bad:
+            failures.append(f"build: {len(bad)} of {len(results)} kernels failed (first: {bad[0]})")
+        failures += step_correctness(run, sel)
+        if run.on_gpu:
+            failures += step_measure(run, sel)
+            if publish:
+                from tilepilot import history
 
-            history.publish()
+                if (rc := history.publish()) != 0:
+                    failures.append(f"publish: asv publish exited {rc}; see {_rel(run.log)}")
     run.timings["total_s"] = time.perf_counter() - t0
     injected = os.environ.get("TILEPILOT_INJECT") or None  # a failure-path test run is never a release run
-    record.write_json(run.dir / "run.json", {**run.header("run"), "timings": run.timings, "complete": True,
-                                             "failed": failed or bool(injected), "injected": injected})  # fmt: skip
+    if injected:
+        failures.append(f"fault injection was active (TILEPILOT_INJECT={injected}): a test run, not a release run")
+    record.write_json(
+        run.dir / "run.json",
+        {
+            **run.header("run"),
+            "timings": run.timings,
+            "complete": True,
+            "failed": bool(failures),
+            "failures": failures,
+            "injected": injected,
+        },
+    )
+    print(summary_table(run, sel), file=_TERM, flush=True)
     say(f"done in {run.timings['total_s']:.0f}s: " + ", ".join(f"{k}={v:.0f}" for k, v in run.timings.items()))
-    say(f"records: {_rel(run.dir)}")
-    return 1 if failed else 0
+    say(f"record: {_rel(run.dir)}")
+    if run.on_gpu:
+        from tilepilot import history
+
+        say(f"asv results: {_rel(history.ASV_RESULTS / run.machine)}")
+        if publish:
+            say(f"pages: {_rel(history.HTML)} (`nox -s publish` rebuilds them)")
+    say(f"log: {_rel(run.log)}")
+    if failures:
+        for why in failures:
+            say(f"FAILED: {why}")
+        return 1
+    if compile_only:
+        say(f"COMPILE-ONLY: {len(results)} kernels built and checked; nothing measured")
+    else:
+        say("every step ran; `nox -s gate` gives the release verdict")
+    if unpinned:
+        say(f"UNPINNED: {', '.join(unpinned)} (run.json unpinned; the gate fails this run)")
+    return 0
