@@ -121,7 +121,7 @@ def test_the_committed_run_passes(tree: Path, tmp_path: Path) -> None:
     verdict = json.loads((tmp_path / "gate" / "gate.json").read_text())
     assert verdict["pass"] is True and verdict["commit"] == COMMIT
     (sm90,) = [d for d in verdict["devices"] if d["device"] == "sm90"]
-    assert sm90["run"] == NEWEST and sm90["baseline"] == PREVIOUS
+    assert sm90["run"] == NEWEST and sm90["baselines"] == [PREVIOUS]
     md = (tmp_path / "gate" / "gate.md").read_text()
     assert md.startswith("# Release gate: PASS") and f"`{PREVIOUS}`" in md
     # A faster kernel that does not ship says why (the config's rule, an edge shape).
@@ -151,7 +151,7 @@ def test_nan_or_null_asv_value_fails_naming_the_case(tree: Path, tmp_path: Path,
 
 def test_asv_value_that_disagrees_with_its_record_fails(tree: Path, tmp_path: Path) -> None:
     edit_asv(tree, COMMIT, "track_reference_ms", KEPT, result=0.5)
-    fails(gate(tree, tmp_path), f"{KEPT}: track_reference_ms 0.5 ms disagrees with measure-gemm.json")
+    fails(gate(tree, tmp_path), f"{KEPT}: track_reference_ms 0.5 ms is not the median of its own samples")
 
 
 def test_regression_of_a_shipped_kernel_fails_even_when_asv_dates_are_out_of_order(tree: Path, tmp_path: Path) -> None:
@@ -198,7 +198,10 @@ def test_regression_of_a_kernel_kept_behind_the_framework_is_a_note(tree: Path, 
 
 def test_regression_check_that_cannot_be_made_fails_a_shipped_case(tree: Path, tmp_path: Path) -> None:
     edit_asv(tree, PREVIOUS, "track_kernel_ms", SHIPPED, result=None)
-    fails(gate(tree, tmp_path), f"regression check impossible: {SHIPPED}: the previous commit {PREVIOUS[:8]}")
+    fails(
+        gate(tree, tmp_path),
+        f"regression check impossible: {SHIPPED}: the baseline {PREVIOUS[:8]} has no kernel latency",
+    )
 
 
 def test_machine_json_of_another_gpu_fails(tree: Path, tmp_path: Path) -> None:
@@ -295,7 +298,7 @@ def test_model_block_with_nan_speedup_or_string_agreement_fails(tree: Path, tmp_
         (lambda d: d["env"]["git"].update(dirty=True), "measured from a dirty tree"),
         (lambda d: d.update(injected="wrong:gemm/*"), "a fault-injection run (wrong:gemm/*)"),
         (lambda d: d.update(failed=True), "the pilot itself reported failure"),
-        (lambda d: d.update(pattern="gemm/*"), "partial run (--cases gemm/*)"),
+        (lambda d: d.update(pattern="gemm/*"), "partial run (--cases 'gemm/*')"),
         (lambda d: d.update(unpinned=["torch 2.13.0 != pinned 2.11.0"], allow_unpinned=True), "--allow-unpinned"),
     ],
 )
@@ -452,3 +455,174 @@ def test_the_verdict_on_every_committed_commit(tmp_path: Path, capsys: pytest.Ca
         else:
             assert rc == 0 and verdict["pass"], (commit, md[:3000])
     capsys.readouterr()
+
+
+# ---------------------------------------------------------------------------------------------
+# What an attempt to break the gate found (each was a PASS or a crash before it was mended)
+
+
+def test_a_baseline_that_lacks_the_case_does_not_switch_the_regression_check_off(tree: Path, tmp_path: Path) -> None:
+    # A 30% slower shipped kernel, and between it and PREVIOUS an ancestor measured on attention only.
+    import statistics
+
+    m = run_dir(tree) / "measure-gemm.json"
+    data = json.loads(m.read_text())
+    side = data["cases"][SHIPPED]["kernel"]
+    side["samples_ms"] = [round(x * 1.3, 5) for x in side["samples_ms"]]
+    side["median_ms"] = statistics.median(side["samples_ms"])
+    data["cases"][SHIPPED]["speedup"] = data["cases"][SHIPPED]["reference"]["median_ms"] / side["median_ms"]
+    m.write_text(json.dumps(data))
+    edit_asv(tree, COMMIT, "track_kernel_ms", SHIPPED, result=side["median_ms"], samples=side["samples_ms"])
+    between = subprocess.run(["git", "rev-list", f"{PREVIOUS}..{COMMIT}"], capture_output=True, text=True, cwd=ROOT)
+    mid = between.stdout.split()[-1]  # the child of PREVIOUS: an ancestor of COMMIT
+    prev = json.loads(_asv_file(PREVIOUS).read_text())
+    prev["commit_hash"] = mid
+    prev["results"] = {k: v for k, v in prev["results"].items() if "TrackGemm" not in k}
+    (tree / "asv" / MACHINE / f"{mid[:8]}-{_asv_file(PREVIOUS).name.split('-', 1)[1]}").write_text(json.dumps(prev))
+    fails(gate(tree, tmp_path), f"regression: {SHIPPED}:", f"against {PREVIOUS[:8]}")
+
+
+def test_asv_samples_that_are_not_the_records_fail(tree: Path, tmp_path: Path) -> None:
+    prev = json.loads(_asv_file(COMMIT).read_text())
+    (key,) = [k for k in prev["results"] if k.endswith("TrackGemm.track_kernel_ms")]
+    row = prev["results"][key]
+    i = row[1][0].index(f"'{SHIPPED}'")
+    samples = row[prev["result_columns"].index("samples")][i]
+    top = samples.index(max(samples))  # the slowest sample, slower still: the median stays, the samples do not
+    edit_asv(
+        tree, COMMIT, "track_kernel_ms", SHIPPED, samples=[x * 3 if j == top else x for j, x in enumerate(samples)]
+    )
+    fails(gate(tree, tmp_path), f"{SHIPPED}: track_kernel_ms", "disagrees with measure-gemm.json's samples")
+
+
+@pytest.mark.parametrize("where", ["correctness", "json-key"])
+def test_two_answers_for_one_case_fail(tree: Path, tmp_path: Path, where: str) -> None:
+    if where == "correctness":
+
+        def change(d: Any) -> None:
+            (row,) = [r for r in d["cases"] if r["case"] == SHIPPED]
+            d["cases"].insert(0, {**row, "status": "failed"})
+
+        edit(run_dir(tree) / "correctness.json", change)
+        fails(gate(tree, tmp_path), f"{SHIPPED}: two correctness rows for one case")
+    else:
+        m = run_dir(tree) / "measure-gemm.json"
+        text = m.read_text()
+        m.write_text(text.replace('"cases": {', f'"cases": {{"{SHIPPED}": {{"case": "{SHIPPED}", "error": "x"}},', 1))
+        fails(gate(tree, tmp_path), f"measure-gemm.json: corrupt JSON (ValueError: duplicate key '{SHIPPED}')")
+
+
+def test_the_model_tolerance_is_the_matrixs_not_the_records(tree: Path, tmp_path: Path) -> None:
+    def change(d: Any) -> None:
+        c = d["cases"]["model/llama-block-t4096/float16"]
+        c["tolerance"], c["shipped"]["rel_fro"] = 1.0, 0.9
+
+    edit(run_dir(tree) / "model.json", change)
+    fails(gate(tree, tmp_path), "model/llama-block-t4096/float16: output: shipped rel. error 9.00e-01 > 1e-02")
+
+
+@pytest.mark.parametrize("how", ["empty", "prefix", "folder"])
+def test_a_run_id_that_is_not_the_folders_fails(tree: Path, tmp_path: Path, how: str) -> None:
+    if how == "folder":
+        shutil.copytree(run_dir(tree), run_dir(tree).parent / "zzzz-not-a-run")
+        fails(gate(tree, tmp_path), "zzzz-not-a-run: not a run folder")
+        return
+    rid = "" if how == "empty" else NEWEST[:11]
+    for name in ("run.json", "build.json", "correctness.json"):
+        edit(run_dir(tree) / name, lambda d: d.update(run=rid))
+    fails(gate(tree, tmp_path), f"run.json: run {rid!r}, but it is filed under '{NEWEST}'")
+
+
+def test_a_median_that_is_not_its_samples_fails(tree: Path, tmp_path: Path) -> None:
+    edit(run_dir(tree) / "measure-gemm.json", lambda d: d["cases"][SHIPPED]["kernel"].update(median_ms=0.1))
+    fails(gate(tree, tmp_path), f"{SHIPPED}: kernel: value error, median_ms 0.1 is not the median of its samples_ms")
+
+
+def test_every_forced_fallback_test_must_have_run_on_the_gpu(tree: Path, tmp_path: Path) -> None:
+    def change(d: Any) -> None:
+        d["tests"] = {k: v for k, v in d["tests"].items() if "test_unsupported_dtype" not in k}
+        d["tests"]["tests/test_fallback.py::test_unsupported_mask[cuda]"] = {"outcome": "skipped"}
+
+    edit(run_dir(tree) / "correctness.json", change)
+    fails(
+        gate(tree, tmp_path),
+        "fallback: test_unsupported_dtype did not run",
+        "fallback: test_unsupported_mask[cuda] skipped",
+    )
+
+
+def test_shipped_kernel_with_no_config_and_a_trial_beyond_tolerance_fail(tree: Path, tmp_path: Path) -> None:
+    edit(
+        run_dir(tree) / "build.json",
+        lambda d: [c.update(status="no-config") for c in d["cases"] if c["case"] == SHIPPED],
+    )
+
+    def change(d: Any) -> None:
+        for r in d["cases"]:
+            if r["case"] == SHIPPED:
+                r["kernel_status"] = "not-built"
+            if r["case"] == KEPT:
+                r["trials"][1]["rel_fro"] = 5.0
+
+    edit(run_dir(tree) / "correctness.json", change)
+    fails(gate(tree, tmp_path), f"build.json: {SHIPPED}: build no-config", f"{KEPT}: trial 1: ok True, rel. error 5.0")
+
+
+def test_stack_gpu_name_foreign_cases_and_strict_literals(tree: Path, tmp_path: Path) -> None:
+    edit(run_dir(tree) / "build.json", lambda d: d["env"]["torch"].update(version="2.4.0+cu121"))
+    edit(run_dir(tree) / "run.json", lambda d: d["env"]["gpu"].update(name="NOT AN H200 (llvmpipe)"))
+    edit(run_dir(tree) / "measure-gemm.json", lambda d: d.update(complete=1))
+
+    def change(d: Any) -> None:
+        d["pattern"] = ""
+        (row,) = [r for r in d["cases"] if r["case"] == SHIPPED]
+        d["cases"].append({**row, "case": SHIPPED.upper(), "status": "error"})
+
+    edit(run_dir(tree) / "correctness.json", change)
+    fails(
+        gate(tree, tmp_path),
+        "build.json: torch 2.4.0+cu121 != pinned 2.11.0",
+        "GPU 'NOT AN H200 (llvmpipe)' is not one of sm90's",
+        "measure-gemm.json: complete: input should be a valid boolean, got 1",
+        "partial run (--cases '')",
+        f"{SHIPPED.upper()}: a case the matrix does not have",
+    )
+
+
+def test_a_measure_entry_for_another_case_fails(tree: Path, tmp_path: Path) -> None:
+    edit(run_dir(tree) / "measure-gemm.json", lambda d: d["cases"][SHIPPED].update(case=KEPT))
+    fails(gate(tree, tmp_path), f"{SHIPPED}: the entry says case '{KEPT}'")
+
+
+@pytest.mark.parametrize(
+    ("target", "text", "needle"),
+    [
+        ("asv/sm90-h200/machine.json", '{"tilepilot": "H200"}', "machine.json: GPU None is not one of"),
+        ("build.json", "[" * 100000 + "]" * 100000, "build.json: corrupt JSON (RecursionError"),
+        ("run.json", '{"schema": ' + "1" * 5000 + "}", "run.json: corrupt JSON (ValueError"),
+    ],
+)
+def test_malformed_files_fail_without_a_crash(tree: Path, tmp_path: Path, target: str, text: str, needle: str) -> None:
+    path = tree / target if "/" in target else run_dir(tree) / target
+    path.write_text(text)
+    fails(gate(tree, tmp_path), needle)
+
+
+def test_an_asv_column_that_is_not_a_list_fails_without_a_crash(tree: Path, tmp_path: Path) -> None:
+    f = tree / "asv" / MACHINE / _asv_file(COMMIT).name
+    data = json.loads(f.read_text())
+    (key,) = [k for k in data["results"] if k.endswith("TrackGemm.track_kernel_ms")]
+    data["results"][key][0] = 5
+    f.write_text(json.dumps(data))
+    fails(gate(tree, tmp_path), f"{f.name}: corrupt asv result")
+
+
+def test_a_folder_name_that_is_not_utf8_fails_without_a_crash(tree: Path, tmp_path: Path) -> None:
+    bad = os.fsencode(tree / "records") + b"/sm90-h200\xff"
+    os.makedirs(bad + b"/" + COMMIT.encode() + b"/20261204T000000Z")
+    fails(gate(tree, tmp_path), "a name that is not UTF-8")
+
+
+def test_a_results_folder_that_does_not_exist_is_bad_input(tmp_path: Path) -> None:
+    r = gate(tmp_path / "nowhere", tmp_path)
+    assert r.returncode == 2 and "--results" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -13,16 +13,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
+import statistics
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tilepilot import record
 
 MAX_BYTES = 64 * 2**20  # the largest committed record is 1.3 MB; asv result files are smaller
+# A run folder's name: its UTC start time, and a hash where a merge kept two runs of one second.
+RUN_ID = re.compile(r"^\d{8}T\d{6}Z(-[0-9a-f]{8})?$")
 
 
 class EvidenceError(Exception):
@@ -99,11 +103,21 @@ def read_bytes(path: Path, root: Path, limit: int = MAX_BYTES) -> bytes:
     return data
 
 
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:  # json.loads would keep the last one silently: two answers for one key
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
 def read_json(path: Path, root: Path) -> Any:
+    raw = read_bytes(path, root)
     try:
-        return json.loads(read_bytes(path, root).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise EvidenceError(path, f"corrupt JSON ({exc})") from None
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: JSON's, a 5000-digit int
+        raise EvidenceError(path, f"corrupt JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
 
 
 def subdirs(path: Path, root: Path) -> Iterator[Path]:
@@ -113,6 +127,10 @@ def subdirs(path: Path, root: Path) -> Iterator[Path]:
     for child in sorted(path.iterdir()):
         if child.name.startswith("."):
             continue
+        try:
+            child.name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise EvidenceError(str(child).encode("utf-8", "backslashreplace").decode(), "a name that is not UTF-8") from None
         st = os.lstat(child)
         if stat.S_ISLNK(st.st_mode):
             raise EvidenceError(child, "a symlink; the gate reads regular files inside the results tree only")
@@ -132,6 +150,22 @@ class _View(BaseModel):
 Finite = Annotated[float, Field(allow_inf_nan=False)]
 Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+def _true(v: bool) -> bool:
+    if v is not True:
+        raise ValueError("the writer did not finish this record (complete is not true)")
+    return v
+
+
+def _schema_one(v: int) -> int:
+    if v != 1:
+        raise ValueError(f"schema {v} is not the schema 1 this gate reads")
+    return v
+
+
+Complete = Annotated[bool, AfterValidator(_true)]  # strict: 1 and "true" are not True
+SchemaOne = Annotated[int, AfterValidator(_schema_one)]
 
 
 class Gpu(_View):
@@ -160,8 +194,8 @@ class Header(_View):
     """What every run, build and correctness record says about where it came from."""
 
     kind: str
-    schema_: Literal[1] = Field(alias="schema")
-    complete: Literal[True]
+    schema_: SchemaOne = Field(alias="schema")
+    complete: Complete
     device: str
     machine: str
     commit: str
@@ -189,8 +223,15 @@ class BuildRecord(Header):
     cases: list[BuildCase]
 
 
+class TrialKernel(_View):
+    ok: bool | None
+    rel_fro: NonNegative | None = None
+
+
 class Trial(_View):
     ok: bool
+    rel_fro: NonNegative | None = None
+    kernel: TrialKernel | None = None
 
 
 class CorrectnessRow(_View):
@@ -212,13 +253,22 @@ class CorrectnessRecord(Header):
     pytest_exit: int
 
 
+def _median_of_samples(side: Any) -> Any:
+    if abs(statistics.median(side.samples_ms) - side.median_ms) > 1e-9 * side.median_ms:
+        raise ValueError(f"median_ms {side.median_ms!r} is not the median of its samples_ms")
+    return side
+
+
 class Side(_View):
     median_ms: Positive
     peak_mib: NonNegative
-    samples_ms: Annotated[list[Finite], Field(min_length=1)]
+    samples_ms: Annotated[list[Positive], Field(min_length=1)]
+
+    _median = model_validator(mode="after")(_median_of_samples)
 
 
 class MeasuredCase(_View):
+    case: str
     group: Literal["representative", "edge"]
     shipped: Literal["tilelang", "framework"]
     reference: Side
@@ -229,8 +279,8 @@ class MeasuredCase(_View):
 
 class MeasureRecord(_View):
     kind: Literal["measure"]
-    schema_: Literal[1] = Field(alias="schema")
-    complete: Literal[True]
+    schema_: SchemaOne = Field(alias="schema")
+    complete: Complete
     device: str
     op: str
     cases: dict[str, dict[str, Any]]  # each judged on its own (MeasuredCase), so one bad case names itself
@@ -240,7 +290,9 @@ class ModelSide(_View):
     median_ms: Positive
     peak_mib: NonNegative
     rel_fro: NonNegative
-    samples_ms: Annotated[list[Finite], Field(min_length=1)]
+    samples_ms: Annotated[list[Positive], Field(min_length=1)]
+
+    _median = model_validator(mode="after")(_median_of_samples)
 
 
 class ModelCase(_View):
@@ -255,8 +307,8 @@ class ModelCase(_View):
 
 class ModelRecord(_View):
     kind: Literal["model"]
-    schema_: Literal[1] = Field(alias="schema")
-    complete: Literal[True]
+    schema_: SchemaOne = Field(alias="schema")
+    complete: Complete
     device: str
     cases: dict[str, dict[str, Any]]
 

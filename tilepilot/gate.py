@@ -23,7 +23,7 @@ internal error (the CLI writes the traceback to a log file).
 from __future__ import annotations
 
 import math
-import statistics
+import re
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,14 +75,21 @@ def _ancestors(commit: str) -> list[str]:
     return out.stdout.split()[1:] if out.returncode == 0 else []
 
 
-def _median_rounded(samples: list[float]) -> float:
-    return float(statistics.median(round(x, 5) for x in samples))
+def _same_samples(asv_samples: list[float], candidates: list[list[float]]) -> bool:
+    """asv's samples are one candidate's, as the suite rounds them (to 10 ns) or, for runs recorded
+    before the rounding, as they are; in any order (a keep-both merge appends one run to another)."""
+    got = sorted(asv_samples)
+    for cand in candidates:
+        for want in (sorted(round(x, 5) for x in cand), sorted(cand)):
+            if len(want) == len(got) and all(
+                abs(a - b) <= ROUNDING_MS / 2 + 1e-12 for a, b in zip(got, want, strict=True)
+            ):
+                return True
+    return False
 
 
-def _agrees(asv_value: float, samples: list[float], median_ms: float) -> bool:
-    """An asv median came from these samples: equal to the median of the samples as the suite rounds
-    them (or, for runs recorded before the rounding, to the record's own median)."""
-    return min(abs(asv_value - _median_rounded(samples)), abs(asv_value - median_ms)) <= ROUNDING_MS / 2 + 1e-12
+def _finite(v: Any) -> bool:
+    return isinstance(v, float | int) and not isinstance(v, bool) and math.isfinite(v)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,18 +98,15 @@ def _agrees(asv_value: float, samples: list[float], median_ms: float) -> bool:
 
 @dataclass
 class AsvResult:
-    """One asv result file, indexed by (track name, case id) -> (value, stats, samples)."""
+    """One asv result file, indexed by (track name, case id) -> (value, samples). asv's stored
+    statistics are not read: they are computed again from the samples, which are checked."""
 
     path: Path
     commit: str
-    values: dict[tuple[str, str], tuple[Any, Any, Any]]
-    params: dict[str, set[str]]  # track -> case ids it has parameters for
+    values: dict[tuple[str, str], tuple[Any, Any]]
 
-    def get(self, track: str, case: str) -> tuple[Any, Any, Any] | None:
+    def get(self, track: str, case: str) -> tuple[Any, Any] | None:
         return self.values.get((track, case))
-
-    def has_case(self, track: str, case: str) -> bool:
-        return case in self.params.get(track, set())
 
 
 def _load_asv(path: Path, root: Path, machine: str) -> AsvResult:
@@ -111,71 +115,95 @@ def _load_asv(path: Path, root: Path, machine: str) -> AsvResult:
     evidence.check_path(path, root)
     if path.stat().st_size > evidence.MAX_BYTES:
         raise EvidenceError(path, f"over the {evidence.MAX_BYTES}-byte limit of a record; refused")
+    values: dict[tuple[str, str], tuple[Any, Any]] = {}
     try:
         res = Results.load(str(path), machine_name=machine)
-    except Exception as exc:  # asv raises its own and json's errors for a damaged file
-        raise EvidenceError(path, f"corrupt asv result ({type(exc).__name__}: {exc})".splitlines()[0]) from None
-    values: dict[tuple[str, str], tuple[Any, Any, Any]] = {}
-    params: dict[str, set[str]] = {}
-    for key in res.get_all_result_keys():
-        track = key.rsplit(".", 1)[-1]
-        if track not in LATENCY_TRACKS:
-            continue
-        ps = res.get_result_params(key)
-        if not ps or len(ps) != 1:
-            continue
-        ids = [str(p).strip("'") for p in ps[0]]
-        vals, stats, samples = (
-            res.get_result_value(key, ps),
-            res.get_result_stats(key, ps),
-            res.get_result_samples(key, ps),
-        )
-        params.setdefault(track, set()).update(ids)  # one track name per operator suite
-        for i, cid in enumerate(ids):
-            values[(track, cid)] = (vals[i], stats[i], samples[i])
-    return AsvResult(path, str(res.commit_hash), values, params)
+        for key in res.get_all_result_keys():
+            track = key.rsplit(".", 1)[-1]
+            if track not in LATENCY_TRACKS:
+                continue
+            ps = res.get_result_params(key)
+            if not isinstance(ps, list) or len(ps) != 1 or not isinstance(ps[0], list):
+                raise ValueError(f"{key}: parameters are not one list of case ids")
+            vals, samples = res.get_result_value(key, ps), res.get_result_samples(key, ps)
+            for i, p in enumerate(ps[0]):
+                cid = str(p).strip("'")
+                if (track, cid) in values:  # one case under two suites: two answers
+                    raise ValueError(f"{track}: case {cid} appears twice")
+                values[(track, cid)] = (vals[i], samples[i])
+        commit = str(res.commit_hash)
+    except Exception as exc:  # asv raises its own, json's and type errors for a damaged file
+        raise EvidenceError(path, f"corrupt asv result ({type(exc).__name__}: {exc})".splitlines()[0][:300]) from None
+    return AsvResult(path, commit, values)
 
 
-def _asv_machine(
-    root: Path, machine: str, dev: matrix.Device, commit: str, ancestors: list[str]
-) -> tuple[list[AsvResult], AsvResult | None, list[str]]:
-    """The asv results of the commit on a machine, the result of the newest ancestor measured there
-    (the regression baseline), and what is wrong with the folder. asv names a result file by the first
-    8 hex digits of its commit; only the files of those two commits are read."""
+def _gpu_matches(name: Any, dev: matrix.Device) -> bool:
+    """A GPU name as the driver reports it ("NVIDIA H200", "NVIDIA A100-SXM4-80GB", "AMD Instinct
+    MI300X"): the vendor's prefix, then one of the device's names as a whole word."""
+    if not isinstance(name, str):
+        return False
+    prefix = r"(NVIDIA |AMD Instinct |AMD )?"
+    return any(re.match(rf"^{prefix}{re.escape(n)}(\b|$)", name) for n in dev.gpu_names)
+
+
+@dataclass
+class AsvMachine:
+    """A machine's asv folder: the commit's results, the baselines (lazily, newest ancestor first)."""
+
+    root: Path
+    dir: Path
+    machine: str
+    names: list[str]
+    ancestors: list[str]
+    problems: list[str] = field(default_factory=list)
+    _loaded: dict[str, list[AsvResult]] = field(default_factory=dict)
+
+    def of(self, commit: str) -> list[AsvResult]:
+        if commit not in self._loaded:
+            out = []
+            for name in (n for n in self.names if n.startswith(f"{commit[:8]}-") and n.endswith(".json")):
+                try:
+                    res = _load_asv(self.dir / name, self.root, self.machine)
+                except EvidenceError as exc:
+                    self.problems.append(f"asv: {exc}")
+                    continue
+                if res.commit == commit:
+                    out.append(res)
+                elif not commit.startswith(res.commit[:8]):
+                    self.problems.append(f"asv: {self.dir / name}: holds commit {res.commit[:12]}, not {commit[:8]}")
+            self._loaded[commit] = out
+        return self._loaded[commit]
+
+    def baseline(self, case: str) -> AsvResult | None:
+        """The newest result of an ancestor that measured this case's kernel (a partial run of an
+        ancestor that lacks it does not end the search)."""
+        for a in self.ancestors:
+            if not any(n.startswith(f"{a[:8]}-") for n in self.names):
+                continue
+            for res in reversed(self.of(a)):
+                if res.get("track_kernel_ms", case) is not None:
+                    return res
+        return None
+
+
+def _asv_machine(root: Path, machine: str, dev: matrix.Device, ancestors: list[str]) -> AsvMachine | None:
     mdir = root / "asv" / machine
-    problems: list[str] = []
     try:
         evidence.check_path(mdir, root, "dir")
-    except EvidenceError as exc:
-        return [], None, [f"asv: {exc} (the run's asv results never reached this history; merge them)"]
+    except EvidenceError:
+        return None
+    names = sorted(f.name for f in mdir.iterdir() if not f.name.startswith(".") and f.name != "machine.json")
+    am = AsvMachine(root, mdir, machine, names, ancestors)
     try:
         mjson = evidence.read_json(mdir / "machine.json", root)
-        gpu = mjson.get("tilepilot", {}).get("gpu", {}).get("name") if isinstance(mjson, dict) else None
-        if not isinstance(gpu, str) or not any(n in gpu for n in dev.gpu_names):
-            problems.append(f"asv: {mdir / 'machine.json'}: GPU {gpu!r} is not one of {', '.join(dev.gpu_names)}")
+        tp = mjson.get("tilepilot") if isinstance(mjson, dict) else None
+        gpu = tp.get("gpu") if isinstance(tp, dict) else None
+        name = gpu.get("name") if isinstance(gpu, dict) else None
+        if not _gpu_matches(name, dev):
+            am.problems.append(f"asv: {mdir / 'machine.json'}: GPU {name!r} is not one of {', '.join(dev.gpu_names)}")
     except EvidenceError as exc:
-        problems.append(f"asv: {exc}")
-    names = sorted(f.name for f in mdir.iterdir() if not f.name.startswith(".") and f.name != "machine.json")
-
-    def of(c: str) -> list[AsvResult]:
-        out = []
-        for name in (n for n in names if n.startswith(f"{c[:8]}-") and n.endswith(".json")):
-            try:
-                res = _load_asv(mdir / name, root, machine)
-            except EvidenceError as exc:
-                problems.append(f"asv: {exc}")
-                continue
-            if res.commit == c:
-                out.append(res)
-            elif not c.startswith(res.commit[:8]):
-                problems.append(f"asv: {mdir / name}: holds commit {res.commit[:12]}, not the {c[:8]} its name says")
-        return out
-
-    cur = of(commit)
-    prev = next(
-        (found[-1] for a in ancestors if any(n.startswith(f"{a[:8]}-") for n in names) if (found := of(a))), None
-    )
-    return cur, prev, problems
+        am.problems.append(f"asv: {exc}")
+    return am
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,6 +215,7 @@ class Run:
     machine: str
     dir: Path
     unfinished: list[str] = field(default_factory=list)
+    others: list[Path] = field(default_factory=list)  # older finished runs of this machine and commit
 
     @property
     def id(self) -> str:
@@ -198,9 +227,7 @@ def _find_run(root: Path, device: str, commit: str) -> tuple[Run | None, list[st
     UTC start times), with the newer unfinished runs named."""
     records = root / "records"
     found: list[tuple[str, str, Path, bool]] = []
-    try:
-        evidence.check_path(records, root, "dir")
-    except EvidenceError:
+    if not records.exists() and not records.is_symlink():
         return None, []
     for mdir in evidence.subdirs(records, root):
         if not mdir.name.startswith(f"{device}-") or mdir.name.endswith("-compile-only"):
@@ -209,13 +236,16 @@ def _find_run(root: Path, device: str, commit: str) -> tuple[Run | None, list[st
         if not cdir.exists() and not cdir.is_symlink():
             continue
         for rdir in evidence.subdirs(cdir, root):
+            if not evidence.RUN_ID.match(rdir.name):
+                raise EvidenceError(rdir, "not a run folder (its name is no UTC start time, YYYYMMDDTHHMMSSZ)")
             finished = (rdir / "run.json").exists() or (rdir / "run.json").is_symlink()
             found.append((rdir.name[:16], mdir.name, rdir, finished))
     found.sort(key=lambda t: (t[0], t[1], t[2].name), reverse=True)
     unfinished: list[str] = []
     for _, machine, rdir, finished in found:
         if finished:
-            return Run(machine, rdir, unfinished), []
+            others = [r for _, m, r, f in found if f and m == machine and r != rdir]
+            return Run(machine, rdir, unfinished, others), []
         unfinished.append(f"{machine}/{rdir.name}")
     return None, unfinished
 
@@ -227,22 +257,23 @@ def _identity(hdr: evidence.Header, path: Path, run: Run, device: str, commit: s
         ("commit", hdr.commit, commit),
         ("device", hdr.device, device),
         ("machine", hdr.machine, run.machine),
-        ("run", hdr.run, run.id[: len(hdr.run)]),
     ):
         if got != want:
             p.append(f"{path}: {what} {got!r}, but it is filed under {want!r}")
+    # The folder is the run id, or the run id and a hash where a merge kept two runs of one second.
+    if not (evidence.RUN_ID.match(hdr.run) and (run.id == hdr.run or run.id.startswith(hdr.run + "-"))):
+        p.append(f"{path}: run {hdr.run!r}, but it is filed under {run.id!r}")
     if not hdr.gpu_run:
         p.append(f"{path}: not a GPU run (gpu_run false)")
-    gpu = hdr.env.gpu.name or ""
-    if not any(n in gpu for n in dev.gpu_names):
-        p.append(f"{path}: GPU {gpu or 'none'!r} is not one of {device}'s {', '.join(dev.gpu_names)}")
+    if not _gpu_matches(hdr.env.gpu.name, dev):
+        p.append(f"{path}: GPU {hdr.env.gpu.name!r} is not one of {device}'s {', '.join(dev.gpu_names)}")
     if hdr.env.git.dirty is not False:
         state = "a dirty tree" if hdr.env.git.dirty else "a tree whose state git could not tell"
         p.append(f"{path}: measured from {state}; a release run is made from a clean checkout of the commit")
     if hdr.env.git.commit != commit:
         p.append(f"{path}: env.git.commit {hdr.env.git.commit!r} is not the commit {commit[:12]}")
-    if hdr.pattern:
-        p.append(f"{path}: partial run (--cases {hdr.pattern}): not every matrix case ran")
+    if hdr.pattern is not None:
+        p.append(f"{path}: partial run (--cases {hdr.pattern!r}): not every matrix case ran")
     return p
 
 
@@ -274,12 +305,38 @@ class Judged:
     corr: evidence.CorrectnessRecord | None = None
     measure: dict[str, tuple[Path, evidence.MeasureRecord | None]] = field(default_factory=dict)
     model: tuple[Path, evidence.ModelRecord | None] | None = None
+    root: Path = Path()
+    others: list[Path] = field(default_factory=list)  # the other finished runs of this machine and commit
+    _union: dict[tuple[str, str], list[float]] | None = None
+
+    def other_samples(self, track: str, case: str) -> list[list[float]]:
+        """Every finished run's samples of (track, case) together: what asv holds after a keep-both
+        merge combined the runs of one machine and commit."""
+        if not self.others:
+            return []
+        if self._union is None:
+            self._union = {}
+            for rdir in [*self.others, *([self.dir] if self.dir else [])]:
+                for name in sorted(p.name for p in rdir.glob("*.json")):
+                    if not (name.startswith("measure-") or name == "model.json"):
+                        continue
+                    try:
+                        data = evidence.read_json(rdir / name, self.root)
+                    except EvidenceError:
+                        continue
+                    for cid, raw in (data.get("cases") or {}).items() if isinstance(data, dict) else []:
+                        for side, value in raw.items() if isinstance(raw, dict) else []:
+                            if isinstance(value, dict) and isinstance(value.get("samples_ms"), list):
+                                self._union.setdefault((f"track_{side}_ms", cid), []).extend(value["samples_ms"])
+        return [self._union[(track, case)]] if (track, case) in self._union else []
+
+    dir: Path | None = None
 
 
 def _load_run(
     root: Path, run: Run, device: str, commit: str, dev: matrix.Device, ops: list[str], want_model: bool
 ) -> Judged:
-    j = Judged()
+    j = Judged(root=root, others=run.others, dir=run.dir)
 
     def load(model: type[evidence.V], name: str) -> evidence.V | None:
         try:
@@ -294,10 +351,11 @@ def _load_run(
     for name, hdr in (("run.json", j.run), ("build.json", j.build), ("correctness.json", j.corr)):
         if hdr is not None:
             j.problems += [f"record: {p}" for p in _identity(hdr, run.dir / name, run, device, commit, dev)]
+            j.problems += [f"stack: {run.dir / name}: {p}" for p in _stack_problems(dev, hdr.env)]
     if j.run is not None:
         if j.run.failed:
             j.problems.append(f"record: {run.dir / 'run.json'}: the pilot itself reported failure")
-        if j.run.injected:
+        if j.run.injected is not None:
             j.problems.append(
                 f"record: {run.dir / 'run.json'}: a fault-injection run ({j.run.injected}), never a release run"
             )
@@ -305,7 +363,6 @@ def _load_run(
             j.problems.append(
                 f"stack: the run was made with --allow-unpinned ({'; '.join(j.run.unpinned) or 'differences not recorded'})"
             )
-        j.problems += [f"stack: {p}" for p in _stack_problems(dev, j.run.env)]
     if j.corr is not None and j.corr.pytest_exit != 0:
         j.problems.append(
             f"correctness: {run.dir / 'correctness.json'}: the correctness run exited {j.corr.pytest_exit}, not 0"
@@ -349,60 +406,85 @@ def _not_shipped_why(row: evidence.CorrectnessRow | None, sp: float, group: str,
     return "; ".join(why) or "no rule ships it"
 
 
+def _unique(items: list[Any], path: Path, what: str, bad: list[str]) -> dict[str, Any]:
+    """Rows by case id; a case that appears twice has two answers, and that is a problem."""
+    out: dict[str, Any] = {}
+    for item in items:
+        if item.case in out:
+            bad.append(f"{path}: {item.case}: two {what} rows for one case")
+        out[item.case] = item
+    return out
+
+
+def _unexpected(ids: Any, expected: set[str], path: Path, prefix: str) -> list[str]:
+    """Cases a record holds that the matrix does not expect: evidence of another matrix, not ignored."""
+    extra = sorted(i for i in ids if i not in expected and (not prefix or i.lower().startswith(prefix)))
+    return (
+        [f"{path}: {extra[0]}: a case the matrix does not have" + (f" (+{len(extra) - 1} more)" if extra[1:] else "")]
+        if extra
+        else []
+    )
+
+
+def _correctness(
+    row: evidence.CorrectnessRow, case: cases.Case, trials: int, shipped_build: Any, path: Path
+) -> list[str]:
+    """The case's correctness row: passed, with the configured trials, each within the matrix's
+    tolerance (not only the row's own word), and the TileLang kernel's own check passed."""
+    cid, tol = case.id, case.tolerance.rel_fro
+    bad = []
+    if row.status not in ("passed", "fallback"):
+        bad.append(f"{path}: {cid}: correctness {row.status}")
+    if len(row.trials) < trials:
+        bad.append(f"{path}: {cid}: {len(row.trials)} correctness trials, the matrix asks for {trials}")
+    for i, t in enumerate(row.trials):
+        if not t.ok or t.rel_fro is None or t.rel_fro > tol:
+            bad.append(f"{path}: {cid}: trial {i}: ok {t.ok}, rel. error {t.rel_fro} against a tolerance of {tol:g}")
+            break
+        k = t.kernel
+        if k is not None and k.ok is not None and (not k.ok or k.rel_fro is None or k.rel_fro > tol):
+            bad.append(f"{path}: {cid}: trial {i}: the TileLang kernel's rel. error {k.rel_fro} against {tol:g}")
+            break
+    if row.kernel_status != "passed" and not (row.kernel_status == "not-built" and shipped_build == "no-config"):
+        bad.append(f"{path}: {cid}: the TileLang kernel's own check is {row.kernel_status or 'absent'}")
+    return bad
+
+
 def _operator(
-    g: Gate,
-    device: str,
-    op: str,
-    j: Judged,
-    run: Run,
-    asv_cur: AsvResult | None,
-    asv_prev: AsvResult | None,
-    prev_why: str,
+    g: Gate, op: str, j: Judged, run: Run, asv_cur: AsvResult | None, am: AsvMachine | None
 ) -> dict[str, Any]:
     mx = g.mx
     opcfg = getattr(mx.operators, op)
     expected = [c for c in cases.expand(mx) if c.op == op]
+    ids = {c.id for c in expected}
     problems: list[str] = []
     notes: list[str] = []
     shapes: dict[str, str] = {}
-    rows = {r.case: r for r in (j.corr.cases if j.corr else [])}
-    builds = {b.case: b for b in (j.build.cases if j.build else [])}
+    corr_path, build_path = run.dir / "correctness.json", run.dir / "build.json"
     mpath, mrec = j.measure.get(op, (run.dir / f"measure-{op}.json", None))
-    corr_path = run.dir / "correctness.json"
+    rows = (
+        _unique([r for r in j.corr.cases if r.case.lower().startswith(f"{op}/")], corr_path, "correctness", problems)
+        if j.corr
+        else {}
+    )
+    builds = (
+        _unique([b for b in j.build.cases if b.case.lower().startswith(f"{op}/")], build_path, "build", problems)
+        if j.build
+        else {}
+    )
+    built_too = {c.id for c in cases.model_kernel_cases(mx) if c.op == op}  # the model block's kernels
+    problems += _unexpected(rows, ids, corr_path, f"{op}/") + _unexpected(builds, ids | built_too, build_path, f"{op}/")
     counts = {s: 0 for s in ("passed", "fallback", "failed", "error", "skipped")}
     if j.corr is None:
         problems.append(f"correctness: no readable {corr_path.name} (see the record line): no case of {op} is checked")
     if mrec is None:
         problems.append(f"measure: no readable {mpath.name} (see the record line): no case of {op} is measured")
-    trials = mx.pilot.trials
+    else:
+        problems += _unexpected(mrec.cases, ids, mpath, "")
     for case in expected:
         cid = case.id
         bad: list[str] = []
-        row = rows.get(cid)
-        if j.corr is not None:
-            if row is None:
-                bad.append(f"{corr_path}: {cid}: no correctness result")
-            else:
-                counts[row.status] += 1
-                if row.status not in ("passed", "fallback"):
-                    bad.append(f"{corr_path}: {cid}: correctness {row.status}")
-                if len(row.trials) < trials:
-                    bad.append(
-                        f"{corr_path}: {cid}: {len(row.trials)} correctness trials, the matrix asks for {trials}"
-                    )
-                if any(not t.ok for t in row.trials):
-                    bad.append(f"{corr_path}: {cid}: a correctness trial failed")
-                built = builds.get(cid)
-                no_config = built is not None and built.status == "no-config"
-                if row.kernel_status != "passed" and not (row.kernel_status == "not-built" and no_config):
-                    bad.append(
-                        f"{corr_path}: {cid}: the TileLang kernel's own check is {row.kernel_status or 'absent'}"
-                    )
-        if j.build is not None and cid in builds and builds[cid].status not in ("ok", "no-config"):
-            bad.append(f"{run.dir / 'build.json'}: {cid}: build {builds[cid].status}")
-        elif j.build is not None and cid not in builds:
-            bad.append(f"{run.dir / 'build.json'}: {cid}: not built")
-        shipped = False
+        row, built = rows.get(cid), builds.get(cid)
         m: evidence.MeasuredCase | None = None
         if mrec is not None:
             raw = mrec.cases.get(cid)
@@ -415,12 +497,29 @@ def _operator(
                     m = evidence.view(evidence.MeasuredCase, raw, mpath, cid)
                 except EvidenceError as exc:
                     bad.append(str(exc))
+        shipped = m is not None and m.shipped == "tilelang"
+        if j.build is not None:
+            if built is None:
+                bad.append(f"{build_path}: {cid}: not built")
+            elif built.status not in ("ok", "no-config") or (shipped and built.status != "ok"):
+                bad.append(f"{build_path}: {cid}: build {built.status}")
+        if j.corr is not None:
+            if row is None:
+                bad.append(f"{corr_path}: {cid}: no correctness result")
+            else:
+                counts[row.status] += 1
+                bad += _correctness(
+                    row, case, mx.pilot.trials, None if shipped else getattr(built, "status", None), corr_path
+                )
         if m is not None:
-            shipped = m.shipped == "tilelang"
-            if row is not None and (row.status == "passed") != shipped and row.status in ("passed", "fallback"):
+            if m.case != cid or m.group != case.group:
+                bad.append(
+                    f"{mpath}: {cid}: the entry says case {m.case!r} ({m.group}), the matrix {cid!r} ({case.group})"
+                )
+            if row is not None and row.status in ("passed", "fallback") and (row.status == "passed") != shipped:
                 bad.append(f"{mpath}: {cid}: measured as shipping {m.shipped}, but correctness checked {row.backend!r}")
             if m.kernel is None:
-                if shipped or not (cid in builds and builds[cid].status == "no-config"):
+                if shipped or getattr(built, "status", None) != "no-config":
                     bad.append(f"{mpath}: {cid}: no kernel measurement")
             elif m.speedup is None or not math.isclose(
                 m.speedup, m.reference.median_ms / m.kernel.median_ms, rel_tol=1e-6
@@ -429,7 +528,9 @@ def _operator(
                     f"{mpath}: {cid}: speedup {m.speedup} is not reference/kernel "
                     f"({m.reference.median_ms:.6g}/{m.kernel.median_ms:.6g} ms)"
                 )
-            bad += _asv_agreement(asv_cur, cid, mpath, {"track_kernel_ms": m.kernel, "track_reference_ms": m.reference})
+            bad += _asv_agreement(
+                asv_cur, cid, mpath, {"track_kernel_ms": m.kernel, "track_reference_ms": m.reference}, j
+            )
         shapes[cid] = _case_verdict(mx, opcfg, case, m, row, bad)
         if bad:
             problems += bad
@@ -438,13 +539,11 @@ def _operator(
             problems.append(f"objective: {cid}: {shapes[cid].removeprefix('FAIL ')}")
         if m is None or m.kernel is None:
             continue
-        kind, line = _regression(g, cid, asv_cur, asv_prev, prev_why)
-        if kind == "regressed" and shipped:
-            problems.append(f"regression: {line}")
-            shapes[cid] = f"FAIL regressed: {line}"
-        elif kind == "unchecked" and shipped:
-            problems.append(f"regression check impossible: {line}")
-            shapes[cid] = f"FAIL no regression check: {line}"
+        kind, line = _regression(g, cid, asv_cur, am)
+        if kind in ("regressed", "unchecked") and shipped:
+            # A shipped kernel that is slower, or whose speed cannot be compared, fails the release.
+            problems.append(f"{'regression' if kind == 'regressed' else 'regression check impossible'}: {line}")
+            shapes[cid] = f"FAIL {'regressed' if kind == 'regressed' else 'no regression check'}: {line}"
         elif kind != "ok":
             # A kernel kept behind the framework op ships nothing: its regression is reported, not judged.
             notes.append(f"{'kernel not shipped, slower than before: ' if kind == 'regressed' else ''}{line}")
@@ -455,9 +554,7 @@ def _operator(
         "shapes": shapes,
         "correctness": {s: n for s, n in counts.items() if s != "skipped"},
         "fallback_exercised": counts["fallback"] > 0,
-        "build_failures": sorted(
-            c for c, b in builds.items() if c.startswith(op + "/") and b.status not in ("ok", "no-config")
-        ),
+        "build_failures": sorted(c for c, b in builds.items() if b.status not in ("ok", "no-config")),
     }
 
 
@@ -492,51 +589,65 @@ def _case_verdict(
     return f"ship {sp:.2f}x"
 
 
-def _asv_agreement(asv: AsvResult | None, cid: str, path: Path, sides: dict[str, Any]) -> list[str]:
-    """The asv result of the commit has this case, finite, and with the record's medians."""
+def _asv_agreement(asv: AsvResult | None, cid: str, path: Path, sides: dict[str, Any], j: Judged) -> list[str]:
+    """The asv result of the commit has this case, finite, with the record's samples (so its median
+    and the statistics asv compares with are the record's)."""
     if asv is None:
         return []  # said once for the whole run
+    import statistics
+
     bad = []
     for track, side in sides.items():
         if side is None:
             continue
-        got = asv.get(track, cid)
-        value = got[0] if got else None
-        if value is None or not isinstance(value, (int, float)) or not math.isfinite(value):
+        value, samples = asv.get(track, cid) or (None, None)
+        if value is None or not _finite(value):
             bad.append(f"{asv.path}: {cid}: {track} is {value!r}, not a measured value")
-        elif not _agrees(float(value), side.samples_ms, side.median_ms):
+        elif not isinstance(samples, list) or not samples or not all(_finite(x) for x in samples):
+            bad.append(f"{asv.path}: {cid}: {track} has no samples to compare with the record's")
+        elif abs(statistics.median(samples) - float(value)) > ROUNDING_MS / 2 + 1e-12:
+            bad.append(f"{asv.path}: {cid}: {track} {value:.6g} ms is not the median of its own samples")
+        elif not _same_samples(samples, [side.samples_ms, *j.other_samples(track, cid)]):
             bad.append(
-                f"{asv.path}: {cid}: {track} {value:.6g} ms disagrees with {path.name}'s median "
-                f"{side.median_ms:.6g} ms (a result of another run?)"
+                f"{asv.path}: {cid}: {track} {value:.6g} ms disagrees with {path.name}'s samples "
+                f"(median {side.median_ms:.6g} ms): a result of another run?"
             )
     return bad
 
 
-def _regression(g: Gate, cid: str, cur: AsvResult | None, prev: AsvResult | None, prev_why: str) -> tuple[str, str]:
-    """('ok' | 'regressed' | 'unchecked' | 'note', line): the kernel latency against the previous
-    measured commit, by asv's own compare statistics (significant, and beyond the factor)."""
+def _regression(g: Gate, cid: str, cur: AsvResult | None, am: AsvMachine | None) -> tuple[str, str]:
+    """('ok' | 'regressed' | 'unchecked', line): the kernel latency against the newest ancestor that
+    measured it, by asv's compare rule (significant, and beyond the factor) on statistics computed
+    from the samples. A check that cannot be made is 'unchecked', with the reason."""
     from asv.commands.compare import _is_result_better
+    from asv_runner.statistics import compute_stats
 
-    if cur is None:
+    if cur is None or am is None:
         return "unchecked", f"{cid}: no asv result of this commit"
+    prev = am.baseline(cid)
     if prev is None:
-        return "note", f"{cid}: {prev_why}"
-    if not prev.has_case("track_kernel_ms", cid):
-        return "note", f"{cid}: a new case, not measured at {prev.commit[:8]}: no baseline"
-    nv, ns, nsm = cur.get("track_kernel_ms", cid) or (None, None, None)
-    ov, os_, osm = prev.get("track_kernel_ms", cid) or (None, None, None)
-    if ov is None or not isinstance(ov, (int, float)) or not math.isfinite(ov):
         return (
             "unchecked",
-            f"{cid}: the previous commit {prev.commit[:8]} has no kernel latency ({ov!r}) in {prev.path.name}",
+            f"{cid}: no earlier commit in this history measured it on {am.machine}: nothing to compare with",
         )
-    if _is_result_better(ov, nv, (os_, osm), (ns, nsm), g.mx.gate.regression_factor):
+    nv, nsm = cur.get("track_kernel_ms", cid) or (None, None)
+    ov, osm = prev.get("track_kernel_ms", cid) or (None, None)
+    if not _finite(ov):
+        return "unchecked", f"{cid}: the baseline {prev.commit[:8]} has no kernel latency ({ov!r}) in {prev.path.name}"
+    if isinstance(osm, list) and osm and all(_finite(x) for x in osm):
+        ov, ost = compute_stats(osm, 1)
+        nv, nst = compute_stats(nsm, 1)
+        worse = _is_result_better(ov, nv, (ost, osm), (nst, nsm), g.mx.gate.regression_factor)
+    else:  # a baseline recorded without samples: the factor alone decides
+        worse = _is_result_better(ov, nv, None, None, g.mx.gate.regression_factor)
+    if worse:
         return "regressed", f"{cid}: {ov:.4g} -> {nv:.4g} ms against {prev.commit[:8]}"
     return "ok", ""
 
 
 def _model(g: Gate, j: Judged, asv_cur: AsvResult | None) -> dict[str, Any]:
-    """The block's output agreement and the shipped block's latency against the framework block."""
+    """The block's output agreement (against the matrix's tolerance) and the shipped block's latency
+    against the framework block."""
     mx = g.mx
     if "model" not in mx.pilot.metrics:
         return {"status": PASS, "problems": [], "shapes": {}, "why": "not a pilot metric"}
@@ -545,9 +656,10 @@ def _model(g: Gate, j: Judged, asv_cur: AsvResult | None) -> dict[str, Any]:
     path, data = j.model
     assert data is not None
     floor = 1 - mx.model.max_slowdown
-    problems: list[str] = []
+    expected = cases.model_ids(mx)
+    problems: list[str] = [f"model: {p}" for p in _unexpected(data.cases, set(expected), path, "")]
     shapes: dict[str, str] = {}
-    for key in cases.model_ids(mx):
+    for key in expected:
         raw = data.cases.get(key)
         if raw is None:
             shapes[key] = "FAIL not measured"
@@ -563,22 +675,19 @@ def _model(g: Gate, j: Judged, asv_cur: AsvResult | None) -> dict[str, Any]:
             shapes[key] = f"FAIL evidence: {exc.what}"
             problems.append(f"model: {exc}")
             continue
-        bad = _asv_agreement(
-            asv_cur,
-            key,
-            path,
-            {"track_framework_ms": m.framework, "track_shipped_ms": m.shipped, "track_tilelang_ms": m.tilelang},
-        )
+        sides = {"track_framework_ms": m.framework, "track_shipped_ms": m.shipped, "track_tilelang_ms": m.tilelang}
+        bad = _asv_agreement(asv_cur, key, path, sides, j)
         for name, sp, side in (("shipped", m.speedup_shipped, m.shipped), ("tilelang", m.speedup_tilelang, m.tilelang)):
             if not math.isclose(sp, m.framework.median_ms / side.median_ms, rel_tol=1e-6):
                 bad.append(f"{path}: {key}: speedup_{name} {sp:.6g} is not framework/{name}")
-        worst = max(("framework", "shipped", "tilelang"), key=lambda n: getattr(m, n).rel_fro)
         if bad:
             shapes[key] = "FAIL evidence: " + bad[0].split(": ", 1)[-1]
             problems += [f"model: {b}" for b in bad]
             continue
-        if not m.agrees or getattr(m, worst).rel_fro > m.tolerance:
-            shapes[key] = f"FAIL output: {worst} rel. error {getattr(m, worst).rel_fro:.2e} > {m.tolerance:.0e}"
+        tol = mx.model.tolerance[key.rsplit("/", 1)[-1]]  # type: ignore[index]
+        worst = max(("framework", "shipped", "tilelang"), key=lambda n: getattr(m, n).rel_fro)
+        if not m.agrees or getattr(m, worst).rel_fro > tol:
+            shapes[key] = f"FAIL output: {worst} rel. error {getattr(m, worst).rel_fro:.2e} > {tol:.0e}"
         elif m.speedup_shipped < floor:
             shapes[key] = f"FAIL shipped {m.speedup_shipped:.3f}x < {floor:.2f}x of the framework block"
         else:
@@ -591,27 +700,41 @@ def _model(g: Gate, j: Judged, asv_cur: AsvResult | None) -> dict[str, Any]:
     return {"status": FAIL if problems else PASS, "problems": problems, "shapes": shapes}
 
 
-def _fallback(j: Judged) -> dict[str, Any]:
-    """The forced-fallback tests of this run: tested here only if they ran (not skipped) on the GPU."""
+def _fallback_expected(commit: str) -> tuple[set[str], str]:
+    """The forced-fallback test functions of the code commit (its tests/test_fallback.py)."""
+    out = _git("show", f"{commit}:tests/test_fallback.py")
+    if out.returncode != 0:
+        return set(), f"git show {commit[:12]}:tests/test_fallback.py failed"
+    return set(re.findall(r"^def (test_\w+)\(", out.stdout, re.M)), ""
+
+
+def _fallback(g: Gate, j: Judged) -> dict[str, Any]:
+    """The forced-fallback tests of this run: every one of the commit's tests ran and passed, and each
+    that runs on a device ran on the GPU (its [cuda] case), none skipped."""
     if j.corr is None:
         return {"status": FAIL, "problems": ["fallback: no readable correctness record"], "summary": "no"}
-    tests = {k: v for k, v in j.corr.tests.items() if "test_fallback.py" in k}
-    ran = {k: v for k, v in tests.items() if v.outcome != "skipped"}
-    failed = sorted(k for k, v in ran.items() if v.outcome in ("failed", "error"))
-    on_gpu = [k for k in ran if "[cuda]" in k]
-    if failed:
-        return {
-            "status": FAIL,
-            "problems": [f"fallback: {k.split('::')[-1]} failed" for k in failed],
-            "summary": f"FAILED ({len(failed)} of {len(ran)})",
-        }
+    want, why = _fallback_expected(g.commit)
+    tests = {k: v for k, v in j.corr.tests.items() if "test_fallback.py::" in k}
+    problems = [f"fallback: {why}"] if why else []
+    by_fn: dict[str, dict[str, str]] = {}
+    for k, v in tests.items():
+        fn, _, param = k.split("::", 1)[1].partition("[")
+        by_fn.setdefault(fn, {})[param.rstrip("]")] = v.outcome
+    for fn in sorted(want - set(by_fn)):
+        problems.append(f"fallback: {fn} did not run")
+    for fn, outcomes in sorted(by_fn.items()):
+        for param, outcome in sorted(outcomes.items()):
+            if outcome != "passed":
+                problems.append(f"fallback: {fn}[{param}] {outcome}" if param else f"fallback: {fn} {outcome}")
+        if "cpu" in outcomes and "cuda" not in outcomes:
+            problems.append(f"fallback: {fn} ran on the CPU only, not on the GPU")
+    on_gpu = sum(1 for o in by_fn.values() if o.get("cuda") == "passed")
     if not on_gpu:
-        return {
-            "status": FAIL,
-            "problems": ["fallback: not tested on this device (no forced-fallback test ran on the GPU)"],
-            "summary": "no",
-        }
-    return {"status": PASS, "problems": [], "summary": f"yes ({len(on_gpu)} on the GPU, {len(ran)} in all)"}
+        problems.append("fallback: not tested on this device (no forced-fallback test ran on the GPU)")
+    summary = (
+        f"yes ({on_gpu} on the GPU, {len(tests)} in all)" if not problems else f"FAILED ({len(problems)} problems)"
+    )
+    return {"status": FAIL if problems else PASS, "problems": problems, "summary": summary}
 
 
 def _job_outcomes(root: Path, device: str, commit: str) -> list[str]:
@@ -674,19 +797,28 @@ def check_device(g: Gate, device: str) -> dict[str, Any]:
     if run is None:
         return _absent(g, device, unfinished)
     j = _load_run(g.root, run, device, g.commit, dev, ops, "model" in g.mx.pilot.metrics)
-    cur, asv_prev, asv_problems = _asv_machine(g.root, run.machine, dev, g.commit, g.ancestors)
-    j.problems += asv_problems
-    # The asv result of this commit that came from this run (with a keep-both merge, several runs).
+    every = {c.id for c in [*cases.expand(g.mx), *cases.model_kernel_cases(g.mx)]}
+    for path, rec in ((run.dir / "correctness.json", j.corr), (run.dir / "build.json", j.build)):
+        foreign = [r.case for r in rec.cases if r.case.split("/")[0] not in ops] if rec else []
+        j.problems += [f"record: {p}" for p in _unexpected(foreign, every, path, "")]
+    am = _asv_machine(g.root, run.machine, dev, g.ancestors)
+    # The asv result of this commit that came from this run (a host whose Python moved has two files).
     asv_cur: AsvResult | None = None
-    if not cur:
-        j.problems.append(f"asv: {g.root / 'asv' / run.machine}: no readable asv result of commit {g.commit[:12]}")
+    if am is None:
+        j.problems.append(
+            f"asv: {g.root / 'asv' / run.machine}: missing (the run's asv results never reached this history; merge them)"
+        )
     else:
-        asv_cur = _pick_asv(cur, j)
-        if asv_cur is None:
-            j.problems.append(f"asv: none of {', '.join(r.path.name for r in cur)} agrees with the run {run.id}")
-            asv_cur = cur[-1]
-    prev_commit = asv_prev.commit if asv_prev else None
-    prev_why = f"no earlier commit in this history was measured on {run.machine}: no baseline to compare with"
+        cur = am.of(g.commit)
+        if not cur:
+            j.problems.append(f"asv: {am.dir}: no readable asv result of commit {g.commit[:12]}")
+        else:
+            asv_cur = _pick_asv(cur, j)
+            if asv_cur is None:
+                j.problems.append(
+                    f"asv: none of {', '.join(r.path.name for r in cur)} holds the samples of run {run.id}"
+                )
+                asv_cur = cur[-1]
     verdict: dict[str, Any] = {
         "device": device,
         "commit": g.commit,
@@ -694,13 +826,15 @@ def check_device(g: Gate, device: str) -> dict[str, Any]:
         "run": run.id,
         "unfinished_runs": run.unfinished,
         "run_problems": j.problems,
-        "baseline": prev_commit,
         "operators": {},
     }
     for op in ops:
-        verdict["operators"][op] = _operator(g, device, op, j, run, asv_cur, asv_prev, prev_why)
+        verdict["operators"][op] = _operator(g, op, j, run, asv_cur, am)
     verdict["model"] = _model(g, j, asv_cur)
-    verdict["fallback"] = _fallback(j)
+    verdict["fallback"] = _fallback(g, j)
+    if am is not None:
+        j.problems += am.problems  # the asv files read, the baselines' included
+        verdict["baselines"] = sorted({r.commit for rs in am._loaded.values() for r in rs} - {g.commit})
     judged = [*verdict["operators"].values(), verdict["model"], verdict["fallback"]]
     ok = not j.problems and all(v["status"] == PASS for v in judged)
     verdict["status"] = PASS if ok else FAIL
@@ -708,8 +842,7 @@ def check_device(g: Gate, device: str) -> dict[str, Any]:
 
 
 def _pick_asv(cur: list[AsvResult], j: Judged) -> AsvResult | None:
-    """The asv result whose kernel medians are this run's: asv names a file by its environment, so a
-    host whose Python moved writes a second file for the same commit."""
+    """The asv result that holds this run's kernel samples."""
     sides: list[tuple[str, evidence.Side]] = []
     for path, mrec in j.measure.values():
         for cid, raw in mrec.cases.items() if mrec else []:
@@ -718,12 +851,14 @@ def _pick_asv(cur: list[AsvResult], j: Judged) -> AsvResult | None:
             except (EvidenceError, AttributeError):
                 continue
     for res in reversed(cur):
-        got = [(res.get("track_kernel_ms", cid) or (None,))[0] for cid, _ in sides]
-        if any(isinstance(v, float) for v in got) and all(
-            _agrees(v, s.samples_ms, s.median_ms)
-            for v, (_, s) in zip(got, sides, strict=True)
-            if isinstance(v, float) and math.isfinite(v)
-        ):
+        checked = mismatched = 0
+        for cid, side in sides:
+            _, samples = res.get("track_kernel_ms", cid) or (None, None)
+            if not isinstance(samples, list) or not samples or not all(_finite(x) for x in samples):
+                continue
+            checked += 1
+            mismatched += not _same_samples(samples, [side.samples_ms, *j.other_samples("track_kernel_ms", cid)])
+        if checked and not mismatched:
             return res
     return None
 
@@ -756,10 +891,10 @@ def _report(commit: str, ok: bool, devices: list[dict[str, Any]], ops: list[str]
     ]
     for d in devices:
         if d.get("run"):
-            base = d.get("baseline")
+            base = d.get("baselines") or []
             lines += [
-                f"{d['device']}: judged run `{d['machine']}/{d['run']}`; regression baseline "
-                + (f"`{base}`" if base else "none (no earlier measured commit)"),
+                f"{d['device']}: judged run `{d['machine']}/{d['run']}`; regression baselines "
+                + (", ".join(f"`{b}`" for b in base) if base else "none (no earlier measured commit)"),
                 "",
             ]
         for p in d.get("run_problems", []):
@@ -794,8 +929,8 @@ def _report(commit: str, ok: bool, devices: list[dict[str, Any]], ops: list[str]
 
 def _relative(obj: Any) -> Any:
     """Paths in the checkout shown from its root: the committed verdict carries no host's paths."""
-    if isinstance(obj, str):
-        return obj.replace(f"{ROOT}/", "")
+    if isinstance(obj, str):  # and printable as UTF-8 whatever bytes a folder's name had
+        return obj.replace(f"{ROOT}/", "").encode("utf-8", "backslashreplace").decode("utf-8")
     if isinstance(obj, dict):
         return {k: _relative(v) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -810,7 +945,10 @@ def gate(rev: str = "HEAD", matrix_path: Path | None = None, out_dir: Path = OUT
     commit = code_commit(rev)
     if inject.active("internal", "gate"):  # the failure path of an internal error, for its test
         raise RuntimeError("injected internal error")
-    g = Gate(mx, evidence.results_root(results), commit, _ancestors(commit))
+    root = evidence.results_root(results)
+    if not root.is_dir():
+        raise UserError(f"--results {root}: not a results folder (records/ and asv/ as a pilot writes them)")
+    g = Gate(mx, root, commit, _ancestors(commit))
     # The whole device matrix is shown; only the required devices decide.
     devices = [_relative({**check_device(g, d), "required": d in mx.gate.required}) for d in mx.devices]
     ok = all(d["status"] == PASS for d in devices if d["required"])

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from tilepilot.cases import Case, model_ids
+from tilepilot.cases import Case, model_ids, model_kernel_cases
 from tilepilot.matrix import Dtype, Matrix, Model
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -125,22 +125,7 @@ def kernel_ops() -> tuple[Linear, Attention]:
 
 def kernel_cases(mx: Matrix) -> list[Case]:
     """The kernels one block needs at each token count, as cases, so that the build compiles them."""
-    from tilepilot.matrix import Tolerance
-
-    cfg = mx.model
-    tol = Tolerance(rel_fro=1.0, atol=1.0, rtol=1.0)  # never checked as a case: the block's output is
-    h, i, d = cfg.hidden, cfg.intermediate, cfg.head_dim
-    out: list[Case] = []
-    for tokens in cfg.tokens:
-        for dtype in cfg.dtypes:
-            for name, n, k in (("qkv", (cfg.heads + 2 * cfg.kv_heads) * d, h), ("o", h, h), ("gateup", 2 * i, h),
-                               ("down", h, i)):  # fmt: skip
-                out.append(Case("gemm", f"model-{name}-t{tokens}", "model", dtype, "nt",
-                                {"m": tokens, "n": n, "k": k}, tol))  # fmt: skip
-            dims = {"batch": 1, "heads": cfg.heads, "kv_heads": cfg.kv_heads, "seq_q": tokens, "seq_kv": tokens,
-                    "head_dim": d}  # fmt: skip
-            out.append(Case("attention", f"model-attn-t{tokens}", "model", dtype, "causal", dims, tol))
-    return out
+    return model_kernel_cases(mx)
 
 
 def _rel_fro(out: torch.Tensor, ref: torch.Tensor) -> float:
