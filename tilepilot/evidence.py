@@ -130,7 +130,9 @@ def subdirs(path: Path, root: Path) -> Iterator[Path]:
         try:
             child.name.encode("utf-8")
         except UnicodeEncodeError:
-            raise EvidenceError(str(child).encode("utf-8", "backslashreplace").decode(), "a name that is not UTF-8") from None
+            raise EvidenceError(
+                str(child).encode("utf-8", "backslashreplace").decode(), "a name that is not UTF-8"
+            ) from None
         st = os.lstat(child)
         if stat.S_ISLNK(st.st_mode):
             raise EvidenceError(child, "a symlink; the gate reads regular files inside the results tree only")
