@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -54,9 +56,33 @@ def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) 
 _CONFIG: pytest.Config | None = None
 
 
+# The run's TileLang cache: (its directory, the TILELANG_CACHE_DIR it replaced).
+_RUN_CACHE: tuple[str, str | None] | None = None
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    global _CONFIG
+    global _CONFIG, _RUN_CACHE
     _CONFIG = config
+    # One TileLang cache per test run, empty at its start: every distinct kernel is compiled once
+    # in the run, whichever test, xdist worker (they inherit it) or subprocess asks for it first,
+    # and never comes from an earlier run. The pilot's own pytest (--tilepilot-record) keeps the
+    # run cache that the pilot's build step filled.
+    if config.getoption("--tilepilot-record") is None and "PYTEST_XDIST_WORKER" not in os.environ:
+        _RUN_CACHE = (tempfile.mkdtemp(prefix="tilepilot-tests-tilelang-"), os.environ.get("TILELANG_CACHE_DIR"))
+        os.environ["TILELANG_CACHE_DIR"] = _RUN_CACHE[0]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    global _RUN_CACHE
+    if _RUN_CACHE is None:
+        return
+    path, before = _RUN_CACHE
+    _RUN_CACHE = None
+    if before is None:
+        os.environ.pop("TILELANG_CACHE_DIR", None)
+    else:
+        os.environ["TILELANG_CACHE_DIR"] = before
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -182,6 +182,12 @@ def build_all(
     for i, key in enumerate(keys):
         if key in index and index[key].get("status") == "ok":
             results[i] = {**index[key], "case": cases[i].id, "cold_reused_from": index[key].get("run", "?")}
+    # Cases that lower to the same program (the same compile_key) are built once: the first of them
+    # is compiled and timed, and the others get its record, naming it (shared_from).
+    first: dict[str, int] = {}
+    shared = {i: first[key] for i, key in enumerate(keys) if first.setdefault(key, i) != i}
+    for i in shared:
+        results[i] = {"case": cases[i].id, "status": "shared"}  # filled in at the end
     todo = [i for i, r in enumerate(results) if r is None]
     dirs = {i: work / f"cold-{i:03d}" for i in todo}
     for d in dirs.values():
@@ -223,4 +229,6 @@ def build_all(
         record.write_json(run_cache / COLD_INDEX, index)
     for d in dirs.values():
         shutil.rmtree(d, ignore_errors=True)
+    for i, j in shared.items():
+        done[i] = {**done[j], "case": cases[i].id, "shared_from": cases[j].id}
     return done
