@@ -49,8 +49,12 @@ def _measure_to_folder() -> str:
     from tilepilot.measure import measure_all
 
     run_dir = os.environ.get("TILEPILOT_RUN_DIR")
-    data = measure_all(os.environ.get("TILEPILOT_DEVICE", "sm90"), os.environ.get("TILEPILOT_CASES") or None,
-                       Path(run_dir) if run_dir else None, started=started)  # fmt: skip
+    data = measure_all(
+        os.environ.get("TILEPILOT_DEVICE", "sm90"),
+        os.environ.get("TILEPILOT_CASES") or None,
+        Path(run_dir) if run_dir else None,
+        started=started,
+    )
     # asv runs setup_cache in its own scratch folder and removes it after the run.
     where = Path(tempfile.mkdtemp(prefix="cases-", dir=Path.cwd()))
     for part in data.values():

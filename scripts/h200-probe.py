@@ -175,8 +175,9 @@ def variants(out: Path) -> None:
             if err:
                 v["error"] = err
                 continue
-            kernel = tilelang.compile(_program(cid, cfg), target=_config.target(DEVICE),
-                                      pass_configs=_dispatch.pass_configs(cfg))  # fmt: skip
+            kernel = tilelang.compile(
+                _program(cid, cfg), target=_config.target(DEVICE), pass_configs=_dispatch.pass_configs(cfg)
+            )
             v["check"] = tune._check(case, kernel)  # a launch failure is this variant's result
             if v["check"]["ok"]:
                 fns[name] = functools.partial(kernel, *inputs, dst)
@@ -226,8 +227,10 @@ def policies(out: Path) -> None:
         inputs = correctness.make_inputs(case, 0)
         dst = correctness.output_like(case, inputs)
         ref_args = correctness.reference_args(case, inputs)
-        prepared[cid] = {"kernel": functools.partial(kernel, *inputs, dst),
-                         "reference": functools.partial(mod.reference, *ref_args)}  # fmt: skip
+        prepared[cid] = {
+            "kernel": functools.partial(kernel, *inputs, dst),
+            "reference": functools.partial(mod.reference, *ref_args),
+        }
     rows: list[dict[str, Any]] = []
     for rep in range(4):
         for cid, fns in prepared.items():
@@ -235,12 +238,19 @@ def policies(out: Path) -> None:
                 time.sleep(0.5)  # the idle gap a suite's compiles and checks leave between cases
                 t = time.perf_counter()
                 res = measure.sample_many(fns, flush, clocks, p)
-                rows.append({"rep": rep, "case": cid, "policy": pname, "wall_s": time.perf_counter() - t,
-                             "temp_c": nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU),
-                             "power_w": nv.nvmlDeviceGetPowerUsage(h) / 1e3,
-                             **{f"{s}_ms": res[s]["median_ms"] for s in fns},
-                             **{f"{s}_{k}": res[s][k] for s in fns for k in ("n", "noise", "throttled_samples")},
-                             **{f"{s}_clock": res[s]["sm_clock_median_mhz"] for s in fns}})  # fmt: skip
+                rows.append(
+                    {
+                        "rep": rep,
+                        "case": cid,
+                        "policy": pname,
+                        "wall_s": time.perf_counter() - t,
+                        "temp_c": nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU),
+                        "power_w": nv.nvmlDeviceGetPowerUsage(h) / 1e3,
+                        **{f"{s}_ms": res[s]["median_ms"] for s in fns},
+                        **{f"{s}_{k}": res[s][k] for s in fns for k in ("n", "noise", "throttled_samples")},
+                        **{f"{s}_clock": res[s]["sm_clock_median_mhz"] for s in fns},
+                    }
+                )
                 print(rows[-1], flush=True)
     summary = {}
     for cid in prepared:
@@ -248,9 +258,10 @@ def policies(out: Path) -> None:
             for side in ("kernel", "reference"):
                 ms = [r[f"{side}_ms"] for r in rows if r["case"] == cid and r["policy"] == pname]
                 summary[f"{cid} {side} {pname}"] = {
-                    "spread": max(ms) / min(ms) - 1, "median_ms": statistics.median(ms),
+                    "spread": max(ms) / min(ms) - 1,
+                    "median_ms": statistics.median(ms),
                     "wall_s": statistics.mean(r["wall_s"] for r in rows if r["case"] == cid and r["policy"] == pname),
-                }  # fmt: skip
+                }
     limit = nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1e3
     out.write_text(json.dumps({"power_limit_w": limit, "rows": rows, "summary": summary}, indent=1))
     for k, v in summary.items():

@@ -38,8 +38,10 @@ def main() -> None:
         inputs = correctness.make_inputs(case, 0)
         dst = correctness.output_like(case, inputs)
         args = correctness.reference_args(case, inputs)
-        calls += [(f"{cid} tilelang", lambda k=kernel, i=inputs, d=dst: k(*i, d)),
-                  (f"{cid} framework", lambda m=mod, a=args: m.reference(*a))]  # fmt: skip
+        calls += [
+            (f"{cid} tilelang", lambda k=kernel, i=inputs, d=dst: k(*i, d)),
+            (f"{cid} framework", lambda m=mod, a=args: m.reference(*a)),
+        ]
     for _, fn in calls:
         fn()
     torch.cuda.synchronize()

@@ -25,8 +25,20 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).res
 # The kernels Nsight Compute profiles (scripts/h200-profile.py): SASS and profile of the same code.
 CASES: list[str] = importlib.import_module("h200-profile").CASES
 # The instructions that order the work; everything else is counted as "other".
-EVENTS = ("HGMMA", "WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE", "MUFU.EX2", "BAR.SYNC", "BAR.ARV", "SYNCS.PHASECHK",
-          "SYNCS.ARRIVE", "UTMALDG", "UTMASTG", "UTMACMDFLUSH", "DEPBAR")  # fmt: skip
+EVENTS = (
+    "HGMMA",
+    "WARPGROUP.DEPBAR",
+    "WARPGROUP.ARRIVE",
+    "MUFU.EX2",
+    "BAR.SYNC",
+    "BAR.ARV",
+    "SYNCS.PHASECHK",
+    "SYNCS.ARRIVE",
+    "UTMALDG",
+    "UTMASTG",
+    "UTMACMDFLUSH",
+    "DEPBAR",
+)
 INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*?);")
 LABEL = re.compile(r"^(\.L_x_\d+):")
 BRANCH = re.compile(r"BRA\s+`\((\.L_x_\d+)\)")

@@ -98,10 +98,19 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     env = envinfo.capture()
     record.write_json(
         Path(path),
-        {"kind": "correctness", "schema": record.SCHEMA, "device": device, "env": env,
-         "pattern": session.config.getoption("--tilepilot-cases"), "pins": matrix.load().device(device).model_dump(),
-         "cases": list(RESULTS.values()), "tests": OTHERS, "complete": True, "pytest_exit": int(exitstatus)},
-    )  # fmt: skip
+        {
+            "kind": "correctness",
+            "schema": record.SCHEMA,
+            "device": device,
+            "env": env,
+            "pattern": session.config.getoption("--tilepilot-cases"),
+            "pins": matrix.load().device(device).model_dump(),
+            "cases": list(RESULTS.values()),
+            "tests": OTHERS,
+            "complete": True,
+            "pytest_exit": int(exitstatus),
+        },
+    )
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -127,8 +136,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     elif rep.when == "call":
         res = dict(item.user_properties).get("tilepilot")
         if res is None:
-            res = {"case": case.id, "group": case.group, "status": "error",
-                   "why": str(rep.longrepr)[-2000:] if rep.failed else "no result recorded"}  # fmt: skip
+            res = {
+                "case": case.id,
+                "group": case.group,
+                "status": "error",
+                "why": str(rep.longrepr)[-2000:] if rep.failed else "no result recorded",
+            }
         RESULTS[case.id] = res
     else:
         return

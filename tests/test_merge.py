@@ -209,8 +209,10 @@ def test_a_source_under_the_names_before_the_rename_is_refused(tmp_path: Path) -
 def test_merge_command_errors_are_one_line(tmp_path: Path) -> None:
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "x.txt").write_text("x")
-    for args, want in ((["merge", str(tmp_path / "nope")], "no such results folder"),
-                       (["merge", str(tmp_path / "junk")], "not a tilepilot results tree")):  # fmt: skip
+    for args, want in (
+        (["merge", str(tmp_path / "nope")], "no such results folder"),
+        (["merge", str(tmp_path / "junk")], "not a tilepilot results tree"),
+    ):
         r = subprocess.run(
             [sys.executable, "-m", "tilepilot", *args, "--into", str(tmp_path / "h")],
             cwd=ROOT,

@@ -17,8 +17,10 @@ def test_block_agrees_and_falls_back_on_cpu(dtype: str) -> None:
     res = model.evaluate(SMALL, 48, dtype, "cpu")
     assert res["shipped"]["rel_fro"] == res["framework"]["rel_fro"] == res["tilelang"]["rel_fro"]
     assert 0 < res["framework"]["rel_fro"] <= SMALL.tolerance[dtype]
-    assert res["shipped"]["fallbacks"] == {"gemm: unsupported device: cpu tensors": 4,
-                                           "attention: unsupported device: cpu tensors": 1}  # fmt: skip
+    assert res["shipped"]["fallbacks"] == {
+        "gemm: unsupported device: cpu tensors": 4,
+        "attention: unsupported device: cpu tensors": 1,
+    }
 
 
 def test_block_is_causal_and_uses_every_token_before() -> None:

@@ -11,10 +11,16 @@ from tilepilot import record
 
 
 def _measure(samples: list[float]) -> dict[str, object]:
-    return {"kind": "measure", "schema": record.SCHEMA, "complete": True,
-            # a string that looks like a number list must come back byte for byte
-            "note": "shape [4097,\n 4096] and [1, 2]", "nested": [[1, 2], [3]], "empty": [],
-            "cases": {"gemm/x": {"kernel": {"samples_ms": samples, "median_ms": samples[1]}}}}  # fmt: skip
+    return {
+        "kind": "measure",
+        "schema": record.SCHEMA,
+        "complete": True,
+        # a string that looks like a number list must come back byte for byte
+        "note": "shape [4097,\n 4096] and [1, 2]",
+        "nested": [[1, 2], [3]],
+        "empty": [],
+        "cases": {"gemm/x": {"kernel": {"samples_ms": samples, "median_ms": samples[1]}}},
+    }
 
 
 def test_sample_lists_are_one_line_and_round_trip(tmp_path: Path) -> None:

@@ -79,21 +79,43 @@ def _matrix(tmp: Path) -> Path:
 
 
 def tilepilot(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tilepilot", *args], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=300, check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "tilepilot", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+        check=False,
+    )
 
 
 def test_submit_status_merge_and_gate_on_a_one_node_cluster(cluster: None, tmp_path: Path) -> None:
     results = tmp_path / "results"
     shutil.copytree(ROOT / "results", results)  # the committed history: the merge must keep it
-    env = {**os.environ, "TILEPILOT_RESULTS": str(results), "TILEPILOT_JOBS": str(tmp_path / "jobs"),
-           "TILEPILOT_HTML": str(tmp_path / "html"), "TILEPILOT_CACHE": str(tmp_path / "cache"),
-           "TILEPILOT_GATE": str(tmp_path / "gate")}  # fmt: skip
+    env = {
+        **os.environ,
+        "TILEPILOT_RESULTS": str(results),
+        "TILEPILOT_JOBS": str(tmp_path / "jobs"),
+        "TILEPILOT_HTML": str(tmp_path / "html"),
+        "TILEPILOT_CACHE": str(tmp_path / "cache"),
+        "TILEPILOT_GATE": str(tmp_path / "gate"),
+    }
     env.pop("PYTEST_XDIST_WORKER", None)
     m = str(_matrix(tmp_path))
 
-    r = tilepilot("--matrix", m, "submit", "--engine", "slurm", "--devices", "cpu,cpufail,cpucancel",
-                  "--cases", "gemm/tiny-16/float16/nt", env=env)  # fmt: skip
+    r = tilepilot(
+        "--matrix",
+        m,
+        "submit",
+        "--engine",
+        "slurm",
+        "--devices",
+        "cpu,cpufail,cpucancel",
+        "--cases",
+        "gemm/tiny-16/float16/nt",
+        env=env,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     (sdir,) = (tmp_path / "jobs").iterdir()
     sub = json.loads((sdir / "submission.json").read_text())
@@ -107,16 +129,24 @@ def test_submit_status_merge_and_gate_on_a_one_node_cluster(cluster: None, tmp_p
     )
     # An operator cancels one device's job once it runs: the gate job must still run, and say so.
     deadline = time.time() + 300
-    while "JobState=RUNNING" not in subprocess.run(["scontrol", "show", "job", "-o", jobs["cpucancel"]],
-                                                   capture_output=True, text=True, check=False).stdout:  # fmt: skip
+    while (
+        "JobState=RUNNING"
+        not in subprocess.run(
+            ["scontrol", "show", "job", "-o", jobs["cpucancel"]], capture_output=True, text=True, check=False
+        ).stdout
+    ):
         assert time.time() < deadline, "the job to cancel never started"
         time.sleep(1)
     subprocess.run(["scancel", jobs["cpucancel"]], check=True)
 
     deadline = time.time() + 600
     while time.time() < deadline:
-        q = subprocess.run(["squeue", "-h", "-j", ",".join([*jobs.values(), sub["gate"]["job"]]), "-o", "%i"],
-                           capture_output=True, text=True, check=False)  # fmt: skip
+        q = subprocess.run(
+            ["squeue", "-h", "-j", ",".join([*jobs.values(), sub["gate"]["job"]]), "-o", "%i"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if q.returncode == 0 and not q.stdout.strip():
             break
         time.sleep(2)
@@ -125,8 +155,11 @@ def test_submit_status_merge_and_gate_on_a_one_node_cluster(cluster: None, tmp_p
 
     st = tilepilot("--matrix", m, "status", env=env)
     assert st.returncode == 0, st.stderr
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
-            for line in st.stdout.splitlines() if line.startswith("| ") and "device" not in line}  # fmt: skip
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
+        for line in st.stdout.splitlines()
+        if line.startswith("| ") and "device" not in line
+    }
     assert rows["cpu"][1:3] == [jobs["cpu"], "COMPLETED"], st.stdout
     assert rows["cpufail"][1:3] == [jobs["cpufail"], "FAILED"] and rows["cpufail"][4] == "3:0", st.stdout
     # The gate job ran to the end and failed the release: neither device passes.

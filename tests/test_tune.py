@@ -22,8 +22,9 @@ def _case(pattern: str) -> cases.Case:
     return c
 
 
-@pytest.mark.parametrize(("pattern", "n"), [("gemm/llama8b-o-t4096/float16/nt", 16),
-                                            ("attention/llama8b-s4096/bfloat16/causal", 12)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("pattern", "n"), [("gemm/llama8b-o-t4096/float16/nt", 16), ("attention/llama8b-s4096/bfloat16/causal", 12)]
+)
 def test_space_is_the_tune_table_over_the_pinned_config(pattern: str, n: int) -> None:
     c = _case(pattern)
     pinned = build.choice(c, "sm90").config
@@ -76,8 +77,14 @@ def test_pinned_winners_change_that_case_s_config_only_and_never_what_ships(
     won = {**before.config, "num_stages": 4, "block_N": 128}
     monkeypatch.setattr(_config, "TUNED_DIR", tmp_path)
     _config.load_tuned.cache_clear()
-    entry = {"case": c.id, "when": operator_module("gemm").facts(**build.build_args(c)), "config": won,
-             "gain": 1.031, "speedup_vs_framework": 0.97, "measured": "2026-12-02, NVIDIA H200, test"}  # fmt: skip
+    entry = {
+        "case": c.id,
+        "when": operator_module("gemm").facts(**build.build_args(c)),
+        "config": won,
+        "gain": 1.031,
+        "speedup_vs_framework": 0.97,
+        "measured": "2026-12-02, NVIDIA H200, test",
+    }
     path = tune.write_tuned("sm90", {"gemm": [entry]})
     try:
         assert path == tmp_path / "sm90.toml" and "sm90" in _config.devices() and "tuned" not in _config.devices()
@@ -92,7 +99,12 @@ def test_pinned_winners_change_that_case_s_config_only_and_never_what_ships(
 
 @pytest.mark.skipif(envinfo.device_of_gpu(envinfo.capture()["gpu"]) == "sm90", reason="an sm90 GPU is here")
 def test_tune_without_the_gpu_is_one_line() -> None:
-    r = subprocess.run([sys.executable, "-m", "tilepilot", "tune", "--device", "sm90"], capture_output=True,
-                       text=True, cwd=ROOT, check=False)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "tilepilot", "tune", "--device", "sm90"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "tune needs a sm90 GPU here" in r.stderr and "cannot run compile-only" in r.stderr

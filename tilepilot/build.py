@@ -38,8 +38,11 @@ def build_args(case: Case) -> dict[str, Any]:
     d = case.dims
     if case.op == "gemm":
         return {"m": d["m"], "n": d["n"], "k": d["k"], "layout": case.variant, "dtype": case.dtype}
-    return {**{k: d[k] for k in ("batch", "heads", "kv_heads", "seq_q", "seq_kv", "head_dim")},
-            "mask": case.variant, "dtype": case.dtype}  # fmt: skip
+    return {
+        **{k: d[k] for k in ("batch", "heads", "kv_heads", "seq_q", "seq_kv", "head_dim")},
+        "mask": case.variant,
+        "dtype": case.dtype,
+    }
 
 
 def choice(case: Case, device: str) -> Any:
@@ -164,9 +167,16 @@ def _load_index(run_cache: Path | None) -> dict[str, Any]:
 
 
 def build_all(
-    cases: list[Case], device: str, work: Path, run_cache: Path | None, workers: int, warm: bool = True,
-    cold: str = "always", run: str = "", progress: Callable[[str, str, int, int], None] | None = None,
-) -> list[dict[str, Any]]:  # fmt: skip
+    cases: list[Case],
+    device: str,
+    work: Path,
+    run_cache: Path | None,
+    workers: int,
+    warm: bool = True,
+    cold: str = "always",
+    run: str = "",
+    progress: Callable[[str, str, int, int], None] | None = None,
+) -> list[dict[str, Any]]:
     """Cold-compile every case (in parallel), then time warm starts; merge caches into run_cache.
 
     cold="changed" reuses the cold-compile figure of a case whose compile_key the run cache has
@@ -196,8 +206,9 @@ def build_all(
     diag = str(work.parent / "diagnostics")  # kept beside the records; work/ is scratch
     if todo:
         with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=ctx, initializer=_init_worker) as pool:
-            fresh = pool.map(_cold, [cases[i] for i in todo], [device] * len(todo), [str(dirs[i]) for i in todo],
-                             [diag] * len(todo))  # fmt: skip
+            fresh = pool.map(
+                _cold, [cases[i] for i in todo], [device] * len(todo), [str(dirs[i]) for i in todo], [diag] * len(todo)
+            )
             for n, (i, r) in enumerate(zip(todo, fresh, strict=True), 1):
                 results[i] = {**r, "compile_key": keys[i], "run": run}
                 if progress is not None:

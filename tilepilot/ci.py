@@ -44,13 +44,19 @@ def _device_job(device: str, row: matrix.Device) -> dict[str, Any]:
             {"uses": "actions/checkout@v4", "with": {"fetch-depth": 0}},
             {"name": "nox", "run": "python3 -m pip install --user nox"},
             # The job's results go to a staging tree of their own; the gate job merges them.
-            {"name": f"nox -s pilot-{device}", "run": f"python3 -m nox -s {session} -- --no-publish",
-             "env": {"TILEPILOT_RESULTS": stage, "TILEPILOT_HTML": "${{ runner.temp }}/tilepilot-html"}},
-            {"name": "upload results", "if": "always()", "uses": "actions/upload-artifact@v4",
-             "with": {"name": f"results-{device}", "path": stage, "if-no-files-found": "warn",
-                      "retention-days": 30}},
+            {
+                "name": f"nox -s pilot-{device}",
+                "run": f"python3 -m nox -s {session} -- --no-publish",
+                "env": {"TILEPILOT_RESULTS": stage, "TILEPILOT_HTML": "${{ runner.temp }}/tilepilot-html"},
+            },
+            {
+                "name": "upload results",
+                "if": "always()",
+                "uses": "actions/upload-artifact@v4",
+                "with": {"name": f"results-{device}", "path": stage, "if-no-files-found": "warn", "retention-days": 30},
+            },
         ],
-    }  # fmt: skip
+    }
 
 
 def _gate_job(devices: list[str]) -> dict[str, Any]:
@@ -63,17 +69,23 @@ def _gate_job(devices: list[str]) -> dict[str, Any]:
             {"uses": "actions/checkout@v4", "with": {"fetch-depth": 0}},
             {"uses": "actions/setup-python@v5", "with": {"python-version": PYTHON}},
             {"name": "install", "run": f"pip install torch --index-url {TORCH_CPU}\npip install -e ."},
-            {"name": "download results", "uses": "actions/download-artifact@v4",
-             "with": {"pattern": "results-*", "path": "artifacts"}},
-            {"name": "merge", "run": "shopt -s nullglob\n"
-             "python -m tilepilot merge --on-duplicate refuse artifacts/*"},
+            {
+                "name": "download results",
+                "uses": "actions/download-artifact@v4",
+                "with": {"pattern": "results-*", "path": "artifacts"},
+            },
+            {"name": "merge", "run": "shopt -s nullglob\npython -m tilepilot merge --on-duplicate refuse artifacts/*"},
             # Publish and gate run even when a step before failed: the gate is what says so.
             {"name": "publish", "if": "${{ !cancelled() }}", "run": "python -m tilepilot publish"},
             {"name": "gate", "if": "${{ !cancelled() }}", "run": "python -m tilepilot gate"},
-            {"name": "upload pages and gate", "if": "always()", "uses": "actions/upload-artifact@v4",
-             "with": {"name": "gate", "path": "html/\ngate/\nresults/", "if-no-files-found": "warn"}},
+            {
+                "name": "upload pages and gate",
+                "if": "always()",
+                "uses": "actions/upload-artifact@v4",
+                "with": {"name": "gate", "path": "html/\ngate/\nresults/", "if-no-files-found": "warn"},
+            },
         ],
-    }  # fmt: skip
+    }
 
 
 class _Dumper(yaml.SafeDumper):

@@ -54,10 +54,24 @@ def lock(mx: matrix.Matrix, device: str, wheelhouse: Path | None = None) -> Path
     every file by its sha256. With a wheelhouse, resolve offline from it."""
     row = mx.device(device)
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--dest", tmp, "--only-binary=:all:",
-               "--python-version", row.python, "--implementation", "cp",
-               *[a for plat in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
-                 for a in ("--platform", plat)]]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--dest",
+            tmp,
+            "--only-binary=:all:",
+            "--python-version",
+            row.python,
+            "--implementation",
+            "cp",
+            *[
+                a
+                for plat in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+                for a in ("--platform", plat)
+            ],
+        ]
         index: list[str] = []
         if wheelhouse is not None:
             cmd += ["--no-index", "--find-links", str(wheelhouse)]
@@ -68,8 +82,10 @@ def lock(mx: matrix.Matrix, device: str, wheelhouse: Path | None = None) -> Path
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
             raise UserError(f"lock for {device}: pip could not resolve {' '.join(requirements(row))}: {last}")
-        lines = [f"# tilepilot lock for {device}: {row.name}, Python {row.python}; written by `tilepilot image lock`.",
-                 *(f"{index[i]} {index[i + 1]}" for i in range(0, len(index), 2))]  # fmt: skip
+        lines = [
+            f"# tilepilot lock for {device}: {row.name}, Python {row.python}; written by `tilepilot image lock`.",
+            *(f"{index[i]} {index[i + 1]}" for i in range(0, len(index), 2)),
+        ]
         for f in sorted(Path(tmp).glob("*.whl")):
             m = _WHEEL.match(f.name)
             if m is None:
@@ -87,8 +103,10 @@ def lock(mx: matrix.Matrix, device: str, wheelhouse: Path | None = None) -> Path
 def _read_lock(device: str) -> str:
     path = lock_path(device)
     if not path.exists():
-        raise UserError(f"{path}: no lock for {device}; write it with `tilepilot image lock --device {device}` "
-                        "(needs the torch index, or --wheelhouse DIR) and commit it")  # fmt: skip
+        raise UserError(
+            f"{path}: no lock for {device}; write it with `tilepilot image lock --device {device}` "
+            "(needs the torch index, or --wheelhouse DIR) and commit it"
+        )
     return path.read_text(encoding="utf-8")
 
 
@@ -105,8 +123,14 @@ def _pip_settings() -> tuple[list[tuple[str, str]], Path | None]:
     return env, ca
 
 
-def render(mx: matrix.Matrix, device: str, *, lock_text: str | None = None, wheelhouse: bool = False,
-           base_ref: str | None = None) -> str:  # fmt: skip
+def render(
+    mx: matrix.Matrix,
+    device: str,
+    *,
+    lock_text: str | None = None,
+    wheelhouse: bool = False,
+    base_ref: str | None = None,
+) -> str:
     """The device's Dockerfile, from its matrix row (what `tilepilot image render` prints)."""
     import jinja2
 
@@ -117,8 +141,12 @@ def render(mx: matrix.Matrix, device: str, *, lock_text: str | None = None, whee
     pip_env, ca = _pip_settings()
     base = base_ref or (row.base_image if row.base_digest == "unpinned" else f"{row.base_image}@{row.base_digest}")
     pins = {k: getattr(row, k) for k in ("python", "torch", "tilelang", "toolkit", "toolkit_version")}
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
-                             keep_trailing_newline=True, autoescape=False)  # fmt: skip
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
     env.filters.update(quoting.DOCKER_FILTERS)  # the templates quote every value for where it lands
     return env.get_template(_template(row)).render(
         device=device,
@@ -144,8 +172,10 @@ def client() -> Any:
         c = docker.from_env(timeout=30)
         c.ping()
     except Exception as exc:
-        raise UserError(f"no Docker engine at {where} ({type(exc).__name__}); start dockerd, or run in host "
-                        "mode: nox -s pilot-<device> -- --host") from None  # fmt: skip
+        raise UserError(
+            f"no Docker engine at {where} ({type(exc).__name__}); start dockerd, or run in host "
+            "mode: nox -s pilot-<device> -- --host"
+        ) from None
     return c
 
 
@@ -173,8 +203,12 @@ def image_tag(mx: matrix.Matrix, device: str, c: Any | None = None, wheelhouse: 
     row = mx.device(device)
     text = _read_lock(device)
     h = hashlib.sha256()
-    for part in (render(mx, device, lock_text=text, wheelhouse=wheelhouse), text, row.model_dump_json(),
-                 _base_id(c, row) if c is not None else ""):  # fmt: skip
+    for part in (
+        render(mx, device, lock_text=text, wheelhouse=wheelhouse),
+        text,
+        row.model_dump_json(),
+        _base_id(c, row) if c is not None else "",
+    ):
         h.update(part.encode() + b"\0")
     return f"tilepilot/{device}:{h.hexdigest()[:16]}"
 
@@ -202,8 +236,9 @@ def _context(mx: matrix.Matrix, device: str, wheelhouse: Path | None) -> Iterato
         yield ctx
 
 
-def build(mx: matrix.Matrix, device: str, *, rebuild: bool = False, wheelhouse: Path | None = None,
-          log: Any = print) -> str:  # fmt: skip
+def build(
+    mx: matrix.Matrix, device: str, *, rebuild: bool = False, wheelhouse: Path | None = None, log: Any = print
+) -> str:
     """Build the device's image, or reuse it when its tag exists; the build log streams live."""
     import docker
 
@@ -223,8 +258,9 @@ def build(mx: matrix.Matrix, device: str, *, rebuild: bool = False, wheelhouse: 
         # The low-level API yields the log as it happens; images.build() only returns it at the end.
         error = None
         # --rebuild means from scratch: no layer cache, so the version check runs again too.
-        for chunk in c.api.build(path=str(ctx), tag=tag, rm=True, forcerm=True, decode=True, network_mode="host",
-                                 pull=False, nocache=rebuild):  # fmt: skip
+        for chunk in c.api.build(
+            path=str(ctx), tag=tag, rm=True, forcerm=True, decode=True, network_mode="host", pull=False, nocache=rebuild
+        ):
             if "stream" in chunk:
                 sys.stdout.write(chunk["stream"])
                 sys.stdout.flush()
@@ -240,8 +276,10 @@ def build(mx: matrix.Matrix, device: str, *, rebuild: bool = False, wheelhouse: 
 def _check_labels(image: Any, device: str, ref: str) -> None:
     built_for = (image.labels or {}).get("tilepilot.device")
     if built_for != device:
-        raise UserError(f"image {ref} was built for device {built_for!r}, not {device!r}; "
-                        f"build its own with `nox -s image-{device}`")  # fmt: skip
+        raise UserError(
+            f"image {ref} was built for device {built_for!r}, not {device!r}; "
+            f"build its own with `nox -s image-{device}`"
+        )
 
 
 def _host_git() -> str:
@@ -258,12 +296,16 @@ def _gpu_options(c: Any, row: matrix.Device) -> dict[str, Any]:
     if row.vendor == "nvidia":
         runtimes = (c.info() or {}).get("Runtimes", {})
         if "nvidia" not in runtimes and not shutil.which("nvidia-ctk"):
-            raise UserError("Docker has no NVIDIA GPU runtime (runtimes: " + ", ".join(runtimes) + "): install "
-                            "the NVIDIA Container Toolkit, or run in host mode with --host")  # fmt: skip
+            raise UserError(
+                "Docker has no NVIDIA GPU runtime (runtimes: " + ", ".join(runtimes) + "): install "
+                "the NVIDIA Container Toolkit, or run in host mode with --host"
+            )
         drv = envinfo.gpu().get("driver")
         if drv and int(drv.split(".")[0]) < int(row.min_driver.split(".")[0]):
-            raise UserError(f"host NVIDIA driver {drv} is older than {row.min_driver}, which the image's CUDA "
-                            f"{row.toolkit_version} needs: update the driver")  # fmt: skip
+            raise UserError(
+                f"host NVIDIA driver {drv} is older than {row.min_driver}, which the image's CUDA "
+                f"{row.toolkit_version} needs: update the driver"
+            )
         return {"device_requests": [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])]}
     if row.vendor == "amd":
         for dev in ("/dev/kfd", "/dev/dri"):
@@ -274,8 +316,7 @@ def _gpu_options(c: Any, row: matrix.Device) -> dict[str, Any]:
     return {}
 
 
-def run(mx: matrix.Matrix, device: str, tag: str, args: list[str], matrix_path: Path,
-        log: Any = print) -> int:  # fmt: skip
+def run(mx: matrix.Matrix, device: str, tag: str, args: list[str], matrix_path: Path, log: Any = print) -> int:
     """The pilot inside the image, as the invoking user, without a network; returns its exit status."""
     import docker
 
@@ -290,28 +331,52 @@ def run(mx: matrix.Matrix, device: str, tag: str, args: list[str], matrix_path: 
     html = Path(os.environ.get("TILEPILOT_HTML", ROOT / "html")).resolve()
     for d in (results, cache, html):
         d.mkdir(parents=True, exist_ok=True)
-    volumes = {str(ROOT): {"bind": "/src", "mode": "ro"}, str(results): {"bind": "/results", "mode": "rw"},
-               str(cache): {"bind": "/cache", "mode": "rw"}, str(html): {"bind": "/html", "mode": "rw"}}  # fmt: skip
+    volumes = {
+        str(ROOT): {"bind": "/src", "mode": "ro"},
+        str(results): {"bind": "/results", "mode": "rw"},
+        str(cache): {"bind": "/cache", "mode": "rw"},
+        str(html): {"bind": "/html", "mode": "rw"},
+    }
     mpath = matrix_path.resolve()
     inner_matrix = f"/src/{mpath.relative_to(ROOT)}" if mpath.is_relative_to(ROOT) else "/matrix.toml"
     if not mpath.is_relative_to(ROOT):
         volumes[str(mpath)] = {"bind": "/matrix.toml", "mode": "ro"}
-    env = {"TILEPILOT_RESULTS": "/results", "TILEPILOT_CACHE": "/cache", "TILEPILOT_HTML": "/html", "HOME": "/tmp",
-           "TILEPILOT_GIT": _host_git(), "TILEPILOT_IMAGE": tag, "PYTHONDONTWRITEBYTECODE": "1",
-           "PYTHONUNBUFFERED": "1", "GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "safe.directory",
-           "GIT_CONFIG_VALUE_0": "*"}  # fmt: skip
+    env = {
+        "TILEPILOT_RESULTS": "/results",
+        "TILEPILOT_CACHE": "/cache",
+        "TILEPILOT_HTML": "/html",
+        "HOME": "/tmp",
+        "TILEPILOT_GIT": _host_git(),
+        "TILEPILOT_IMAGE": tag,
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "GIT_CONFIG_COUNT": "1",
+        "GIT_CONFIG_KEY_0": "safe.directory",
+        "GIT_CONFIG_VALUE_0": "*",
+    }
     env.update({k: v for k, v in os.environ.items() if k in ("TILEPILOT_INJECT", "TILEPILOT_CASE_TIMEOUT")})
     cmd = ["python", "-m", "tilepilot", "--matrix", inner_matrix, "pilot", "--device", device, "--host", *args]
     log(f"tilepilot: running the pilot in {tag} (network none, uid {os.getuid()})")
     try:
-        container = c.containers.run(tag, cmd, detach=True, network_mode="none", shm_size="16g", environment=env,
-                                     user=f"{os.getuid()}:{os.getgid()}", volumes=volumes, working_dir="/src",
-                                     **_gpu_options(c, row))  # fmt: skip
+        container = c.containers.run(
+            tag,
+            cmd,
+            detach=True,
+            network_mode="none",
+            shm_size="16g",
+            environment=env,
+            user=f"{os.getuid()}:{os.getgid()}",
+            volumes=volumes,
+            working_dir="/src",
+            **_gpu_options(c, row),
+        )
     except docker.errors.APIError as exc:
         msg = str(exc.explanation or exc)
         if "could not select device driver" in msg:
-            raise UserError("Docker has no NVIDIA GPU runtime: install the NVIDIA Container Toolkit, "
-                            "or run in host mode with --host") from None  # fmt: skip
+            raise UserError(
+                "Docker has no NVIDIA GPU runtime: install the NVIDIA Container Toolkit, "
+                "or run in host mode with --host"
+            ) from None
         raise UserError(f"docker run {tag}: {msg.splitlines()[0]}") from None
     try:
         for chunk in container.logs(stream=True, follow=True):

@@ -71,8 +71,9 @@ def reference(case: Case, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     # The memory-efficient backend takes fp32 without materialising Sq x Skv scores (32k tokens).
-    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION,
-                                         torch.nn.attention.SDPBackend.MATH]):  # fmt: skip
+    with torch.nn.attention.sdpa_kernel(
+        [torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION, torch.nn.attention.SDPBackend.MATH]
+    ):
         return F.scaled_dot_product_attention(q, k, v, is_causal=case.variant == "causal").double()
 
 

@@ -38,8 +38,9 @@ def git() -> dict[str, Any]:
     # docs-only commit counts for the code it measured.
     commit = _run(["git", "log", "-1", "--format=%H", "HEAD", "--", *CODE_PATHSPEC], ROOT) or head
     # What a run writes (results, pages, the gate) is not a change to the code being measured.
-    status = _run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!results", ":!html", ":!gate"],
-                  ROOT)  # fmt: skip
+    status = _run(
+        ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!results", ":!html", ":!gate"], ROOT
+    )
     date = _run(["git", "log", "-1", "--format=%cI"], ROOT)
     return {"commit": commit, "head": head, "dirty": bool(status) if status is not None else None, "date": date}
 
@@ -84,8 +85,15 @@ def gpu() -> dict[str, Any]:
         "memory_mib": p.total_memory // 2**20,
         "l2_bytes": getattr(p, "L2_cache_size", None),
     }
-    smi = _run(["nvidia-smi", "--query-gpu=driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.limit",
-                "--format=csv,noheader,nounits", "-i", "0"])  # fmt: skip
+    smi = _run(
+        [
+            "nvidia-smi",
+            "--query-gpu=driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.limit",
+            "--format=csv,noheader,nounits",
+            "-i",
+            "0",
+        ]
+    )
     if smi:
         drv, sm, sm_max, mem, power = (x.strip() for x in smi.split(","))
         info.update(driver=drv, sm_clock_mhz=sm, sm_clock_max_mhz=sm_max, mem_clock_mhz=mem, power_limit_w=power)

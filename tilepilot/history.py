@@ -62,8 +62,13 @@ def _conf(tmp: Path) -> Path:
     from asv.util import load_json
 
     conf = load_json(str(CONF), js_comments=True)
-    conf.update(repo=str(ROOT), results_dir=str(ASV_RESULTS), html_dir=str(HTML), env_dir=str(tmp / "env"),
-                benchmark_dir=str(ROOT / conf.get("benchmark_dir", "benchmarks")))  # fmt: skip
+    conf.update(
+        repo=str(ROOT),
+        results_dir=str(ASV_RESULTS),
+        html_dir=str(HTML),
+        env_dir=str(tmp / "env"),
+        benchmark_dir=str(ROOT / conf.get("benchmark_dir", "benchmarks")),
+    )
     path = tmp / "asv.conf.json"
     path.write_text(json.dumps(conf), encoding="utf-8")
     return path
@@ -83,13 +88,39 @@ def run(machine: str, commit: str, capture: dict[str, Any], env: dict[str, str])
     # asv draws one graph per distinct machine description: the OS without its build string, so that
     # a host's kernel update does not split a device's history (the full platform string is kept in
     # machine.json's tilepilot keys and in every run record).
-    rc = asv("machine", "--yes", "--machine", machine, "--os", platform.system(), "--arch", platform.machine(),
-             "--cpu", f"{gpu.get('name', '')} / {platform.processor() or platform.machine()}",
-             "--num_cpu", str(os.cpu_count()), "--ram", str(gpu.get("memory_mib", "")), env=env)  # fmt: skip
+    rc = asv(
+        "machine",
+        "--yes",
+        "--machine",
+        machine,
+        "--os",
+        platform.system(),
+        "--arch",
+        platform.machine(),
+        "--cpu",
+        f"{gpu.get('name', '')} / {platform.processor() or platform.machine()}",
+        "--num_cpu",
+        str(os.cpu_count()),
+        "--ram",
+        str(gpu.get("memory_mib", "")),
+        env=env,
+    )
     if rc != 0:
         return rc
-    rc = asv("run", "--environment", f"existing:{sys.executable}", "--set-commit-hash", commit, "--machine", machine,
-             "--record-samples", "--show-stderr", "--launch-method", "forkserver", env=env)  # fmt: skip
+    rc = asv(
+        "run",
+        "--environment",
+        f"existing:{sys.executable}",
+        "--set-commit-hash",
+        commit,
+        "--machine",
+        machine,
+        "--record-samples",
+        "--show-stderr",
+        "--launch-method",
+        "forkserver",
+        env=env,
+    )
     mfile = ASV_RESULTS / machine / "machine.json"
     if mfile.exists():  # the environment capture, as extra keys asv carries along
         data = json.loads(mfile.read_text())

@@ -201,8 +201,9 @@ class _Side:
         }
 
 
-def sample_many(fns: dict[str, Callable[[], Any]], flush: L2Flush, clocks: Clocks,
-                policy: Policy = Policy()) -> dict[str, dict[str, Any]]:  # fmt: skip
+def sample_many(
+    fns: dict[str, Callable[[], Any]], flush: L2Flush, clocks: Clocks, policy: Policy = Policy()
+) -> dict[str, dict[str, Any]]:
     """Time each function with CUDA events, alternating their batches so that all of them see the
     same clocks and temperature (a kernel and its reference are compared under one power state).
 
@@ -270,8 +271,9 @@ def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     return SDPBackend(idx).name
 
 
-def measure_case(case: Case, device: str, ceil: dict[str, Any], flush: L2Flush, clocks: Clocks,
-                 policy: Policy = Policy()) -> dict[str, Any]:  # fmt: skip
+def measure_case(
+    case: Case, device: str, ceil: dict[str, Any], flush: L2Flush, clocks: Clocks, policy: Policy = Policy()
+) -> dict[str, Any]:
     """Kernel (the compiled TileLang kernel, called directly) against the framework op."""
     from kernels import operator_module
     from tilepilot import build, correctness
@@ -348,8 +350,13 @@ def measure_case(case: Case, device: str, ceil: dict[str, Any], flush: L2Flush, 
     return out
 
 
-def measure_operator(op: str, device: str, pattern: str | None, run_dir: Path | None,
-                     tools: tuple[L2Flush, Clocks, dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+def measure_operator(
+    op: str,
+    device: str,
+    pattern: str | None,
+    run_dir: Path | None,
+    tools: tuple[L2Flush, Clocks, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """Measure every selected case of one operator; writes measure-<op>.json into the run folder."""
     from tilepilot import cases, matrix, record
 
@@ -370,9 +377,18 @@ def measure_operator(op: str, device: str, pattern: str | None, run_dir: Path | 
     if run_dir is not None and (run_dir / "build.json").exists():
         for r in record.read_json(run_dir / "build.json", "build")["cases"]:
             compile_times[r["case"]] = {k: r.get(k) for k in ("cold_s", "warm_s", "status", "cold_reused_from")}
-    data = {"kind": "measure", "schema": record.SCHEMA, "op": op, "device": device, "ceilings": ceil,
-            "policy": vars(Policy()), "cases": results, "compile": compile_times,
-            "seconds": time.perf_counter() - t0, "complete": True}  # fmt: skip
+    data = {
+        "kind": "measure",
+        "schema": record.SCHEMA,
+        "op": op,
+        "device": device,
+        "ceilings": ceil,
+        "policy": vars(Policy()),
+        "cases": results,
+        "compile": compile_times,
+        "seconds": time.perf_counter() - t0,
+        "complete": True,
+    }
     if run_dir is not None:
         record.write_json(run_dir / f"measure-{op}.json", data)
     return data
@@ -403,6 +419,15 @@ def measure_all(device: str, pattern: str | None, run_dir: Path | None, started:
     parts.update({f"{op}_s": float(out[op].get("seconds", 0.0)) for op in [*mx.pilot.operators, "model"]})
     out["seconds"] = time.perf_counter() - started
     if run_dir is not None:
-        record.write_json(run_dir / "measure.json", {"kind": "measure-all", "schema": record.SCHEMA, "device": device,
-                                                     "seconds": out["seconds"], "parts": parts, "complete": True})  # fmt: skip
+        record.write_json(
+            run_dir / "measure.json",
+            {
+                "kind": "measure-all",
+                "schema": record.SCHEMA,
+                "device": device,
+                "seconds": out["seconds"],
+                "parts": parts,
+                "complete": True,
+            },
+        )
     return out

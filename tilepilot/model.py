@@ -174,8 +174,15 @@ def measure_model(
             except Exception as exc:  # one broken configuration must not take the others with it
                 results[key] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
             torch.cuda.empty_cache()
-    data = {"kind": "model", "schema": record.SCHEMA, "device": device, "model": cfg.model_dump(),
-            "cases": results, "seconds": time.perf_counter() - t0, "complete": True}  # fmt: skip
+    data = {
+        "kind": "model",
+        "schema": record.SCHEMA,
+        "device": device,
+        "model": cfg.model_dump(),
+        "cases": results,
+        "seconds": time.perf_counter() - t0,
+        "complete": True,
+    }
     if run_dir is not None:
         record.write_json(run_dir / "model.json", data)
     return data

@@ -58,8 +58,13 @@ def _from_case_dims(case: Case) -> dict[str, int]:
     return d
 
 
-def minimize(dims: dict[str, int], fails: Callable[[dict[str, int]], bool], order: list[str],
-             max_tries: int = 40, budget_s: float = 300.0) -> tuple[dict[str, int], list[dict[str, Any]]]:  # fmt: skip
+def minimize(
+    dims: dict[str, int],
+    fails: Callable[[dict[str, int]], bool],
+    order: list[str],
+    max_tries: int = 40,
+    budget_s: float = 300.0,
+) -> tuple[dict[str, int], list[dict[str, Any]]]:
     """Bisect each dimension in `order` down to the smallest value at which `fails` still holds.
 
     The failure is assumed to persist at the current shape. Each probe is logged; a probe that
@@ -185,11 +190,21 @@ def render(case: Case, device: str, kind: str, dims: dict[str, int], cfg: dict[s
 
     mod = operator_module(case.op)
     return _TEMPLATE.format(
-        case_id=case.id, device=device, kind=kind, when=dt.date.today().isoformat(), original=case.dims,
-        dims=_to_case_dims(case, dims) if "groups" in dims else dims, op=case.op, dtype=case.dtype,
-        variant=case.variant, cfg=cfg, target=_config.target(device), seed=seed, tol=case.tolerance.model_dump(),
+        case_id=case.id,
+        device=device,
+        kind=kind,
+        when=dt.date.today().isoformat(),
+        original=case.dims,
+        dims=_to_case_dims(case, dims) if "groups" in dims else dims,
+        op=case.op,
+        dtype=case.dtype,
+        variant=case.variant,
+        cfg=cfg,
+        target=_config.target(device),
+        seed=seed,
+        tol=case.tolerance.model_dump(),
         program=inspect.getsource(mod.program) + f"\n\nprogram = {mod.program.__name__}\n",
-    )  # fmt: skip
+    )
 
 
 def _with_dims(case: Case, dims: dict[str, int]) -> Case:
@@ -214,8 +229,9 @@ def _compile_fails(case: Case, device: str, cfg: dict[str, Any], expected: str) 
     return fails
 
 
-def _script_fails(case: Case, device: str, kind: str, cfg: dict[str, Any], seed: int,
-                  timeout_s: float) -> Callable[[dict[str, int]], bool]:  # fmt: skip
+def _script_fails(
+    case: Case, device: str, kind: str, cfg: dict[str, Any], seed: int, timeout_s: float
+) -> Callable[[dict[str, int]], bool]:
     """Run the rendered reproducer at a shape in a subprocess: exit 1, a signal, or the timeout."""
 
     def fails(dims: dict[str, int]) -> bool:
@@ -237,9 +253,20 @@ def _script_fails(case: Case, device: str, kind: str, cfg: dict[str, Any], seed:
     return fails
 
 
-def write(case: Case, device: str, kind: str, message: str, *, diagnostics: str = "", seed: int = 0,
-          cfg: dict[str, Any] | None = None, root: Path | None = None, on_device: bool = False,
-          timeout_s: float = 120.0, max_tries: int = 40) -> Path:  # fmt: skip
+def write(
+    case: Case,
+    device: str,
+    kind: str,
+    message: str,
+    *,
+    diagnostics: str = "",
+    seed: int = 0,
+    cfg: dict[str, Any] | None = None,
+    root: Path | None = None,
+    on_device: bool = False,
+    timeout_s: float = 120.0,
+    max_tries: int = 40,
+) -> Path:
     """Write the reproducer folder for a failed case, minimizing its shape where that can run here."""
     from kernels import operator_module
     from tilepilot import build
@@ -277,12 +304,24 @@ def write(case: Case, device: str, kind: str, message: str, *, diagnostics: str 
         (out / "kernel.cu.error").write_text(traceback.format_exc(), encoding="utf-8")
     (out / "diagnostics.log").write_text(diagnostics or message, encoding="utf-8")
     record.write_json(out / "env.json", envinfo.capture())
-    record.write_json(out / "failure.json", {
-        "case": case.id, "device": device, "kind": kind, "message": message, "seed": seed, "config": cfg,
-        "original_dims": case.dims, "minimized_dims": small.dims, "minimized": fails is not None,
-        "not_minimized_because": why_not, "shrink_steps": log, "minimize_s": time.perf_counter() - t0,
-        "pid": os.getpid(),
-    })  # fmt: skip
+    record.write_json(
+        out / "failure.json",
+        {
+            "case": case.id,
+            "device": device,
+            "kind": kind,
+            "message": message,
+            "seed": seed,
+            "config": cfg,
+            "original_dims": case.dims,
+            "minimized_dims": small.dims,
+            "minimized": fails is not None,
+            "not_minimized_because": why_not,
+            "shrink_steps": log,
+            "minimize_s": time.perf_counter() - t0,
+            "pid": os.getpid(),
+        },
+    )
     return out
 
 

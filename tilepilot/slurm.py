@@ -30,15 +30,25 @@ from tilepilot.errors import UserError
 ROOT = record.ROOT
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 WORKDIR = Path(os.environ.get("TILEPILOT_JOBS", ROOT / "jobs"))
-DONE = {"COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
-        "DEADLINE"}  # fmt: skip
+DONE = {
+    "COMPLETED",
+    "FAILED",
+    "TIMEOUT",
+    "CANCELLED",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 
 def _render(name: str, **values: Any) -> str:
     import jinja2
 
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
-                             keep_trailing_newline=True)  # fmt: skip
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined, keep_trailing_newline=True
+    )
     env.filters.update(quoting.SHELL_FILTERS)
     return env.get_template(name).render(**values)
 
@@ -49,16 +59,37 @@ def _slurm(*cmd: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(cmd), capture_output=True, text=True, timeout=60, check=False)
 
 
-def render_job(mx: matrix.Matrix, device: str, sid: str, stage: Path, matrix_path: Path, commit: str,
-               python: str, pilot_args: list[str]) -> str:  # fmt: skip
+def render_job(
+    mx: matrix.Matrix,
+    device: str,
+    sid: str,
+    stage: Path,
+    matrix_path: Path,
+    commit: str,
+    python: str,
+    pilot_args: list[str],
+) -> str:
     row = mx.device(device)
     if row.slurm is None:
-        raise UserError(f"{matrix_path}: devices.{device}.slurm: missing; --engine slurm needs its partition "
-                        "(and gres, constraint, time, account) there")  # fmt: skip
+        raise UserError(
+            f"{matrix_path}: devices.{device}.slurm: missing; --engine slurm needs its partition "
+            "(and gres, constraint, time, account) there"
+        )
     args = "".join(" " + quoting.sh(a) for a in pilot_args)
-    return _render("pilot.sbatch.j2", device=device, row=row, s=row.slurm, sid=sid, stage=stage, root=ROOT,
-                   matrix=matrix_path, commit=commit, python=python, args=args,
-                   gpu_flag="--rocm" if row.vendor == "amd" else "--nv")  # fmt: skip
+    return _render(
+        "pilot.sbatch.j2",
+        device=device,
+        row=row,
+        s=row.slurm,
+        sid=sid,
+        stage=stage,
+        root=ROOT,
+        matrix=matrix_path,
+        commit=commit,
+        python=python,
+        args=args,
+        gpu_flag="--rocm" if row.vendor == "amd" else "--nv",
+    )
 
 
 def _cases_pattern(pilot_args: list[str]) -> str | None:
@@ -93,9 +124,17 @@ def _sbatch(script: Path) -> str:
     return r.stdout.strip().split(";")[0]
 
 
-def submit(mx: matrix.Matrix, devices: list[str], matrix_path: Path, *, workdir: Path = WORKDIR,
-           python: str = sys.executable, pilot_args: list[str] | None = None, gate_partition: str = "",
-           on_duplicate: str = "refuse") -> dict[str, Any]:  # fmt: skip
+def submit(
+    mx: matrix.Matrix,
+    devices: list[str],
+    matrix_path: Path,
+    *,
+    workdir: Path = WORKDIR,
+    python: str = sys.executable,
+    pilot_args: list[str] | None = None,
+    gate_partition: str = "",
+    on_duplicate: str = "refuse",
+) -> dict[str, Any]:
     """One pilot job per device and the dependent gate job, all queued or none; returns the record."""
     for d in devices:  # every row checked before anything is queued
         mx.device(d)
@@ -113,25 +152,46 @@ def submit(mx: matrix.Matrix, devices: list[str], matrix_path: Path, *, workdir:
     git = envinfo.git()
     commit = git["commit"] or "uncommitted"
     sid, sdir = _new_dir(workdir.resolve())
-    sub: dict[str, Any] = {"kind": "submission", "schema": record.SCHEMA, "id": sid, "engine": "slurm",
-                           "commit": commit, "dirty": git["dirty"], "matrix": str(matrix_path),
-                           "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                           "into": str(record.RESULTS.resolve()), "on_duplicate": on_duplicate,
-                           "devices": {}, "complete": True}  # fmt: skip
+    sub: dict[str, Any] = {
+        "kind": "submission",
+        "schema": record.SCHEMA,
+        "id": sid,
+        "engine": "slurm",
+        "commit": commit,
+        "dirty": git["dirty"],
+        "matrix": str(matrix_path),
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "into": str(record.RESULTS.resolve()),
+        "on_duplicate": on_duplicate,
+        "devices": {},
+        "complete": True,
+    }
     try:
         for d in devices:
             stage = sdir / d
             stage.mkdir()
             script = stage / "job.sbatch"
-            script.write_text(render_job(mx, d, sid, stage, matrix_path, commit, python, pilot_args or []),
-                              encoding="utf-8")  # fmt: skip
+            script.write_text(
+                render_job(mx, d, sid, stage, matrix_path, commit, python, pilot_args or []), encoding="utf-8"
+            )
             sub["devices"][d] = {"job": _sbatch(script), "stage": str(stage), "script": str(script)}
         gate_script = sdir / "gate.sbatch"
-        gate_script.write_text(_render("gate.sbatch.j2", sid=sid, dir=sdir, root=ROOT, matrix=matrix_path,
-                                       commit=commit, python=python, into=sub["into"], partition=gate_partition,
-                                       jobs=[v["job"] for v in sub["devices"].values()],
-                                       html=str(Path(os.environ.get("TILEPILOT_HTML", ROOT / "html")).resolve())),
-                               encoding="utf-8")  # fmt: skip
+        gate_script.write_text(
+            _render(
+                "gate.sbatch.j2",
+                sid=sid,
+                dir=sdir,
+                root=ROOT,
+                matrix=matrix_path,
+                commit=commit,
+                python=python,
+                into=sub["into"],
+                partition=gate_partition,
+                jobs=[v["job"] for v in sub["devices"].values()],
+                html=str(Path(os.environ.get("TILEPILOT_HTML", ROOT / "html")).resolve()),
+            ),
+            encoding="utf-8",
+        )
         sub["gate"] = {"job": _sbatch(gate_script), "script": str(gate_script)}
     except BaseException as exc:
         # All or nothing: a device job without its gate job would leave results nobody merges.
@@ -156,22 +216,46 @@ def job_state(job: str, stage: Path | None = None) -> dict[str, str]:
     r = _slurm("scontrol", "show", "job", "-o", job)
     if r.returncode == 0 and "JobState=" in r.stdout:
         f = _parse_scontrol(r.stdout)
-        return {"state": f.get("JobState", "UNKNOWN"), "reason": f.get("Reason", ""), "exit_code": f.get("ExitCode", ""),
-                "elapsed": f.get("RunTime", ""), "node": f.get("NodeList", ""), "source": "scontrol"}  # fmt: skip
+        return {
+            "state": f.get("JobState", "UNKNOWN"),
+            "reason": f.get("Reason", ""),
+            "exit_code": f.get("ExitCode", ""),
+            "elapsed": f.get("RunTime", ""),
+            "node": f.get("NodeList", ""),
+            "source": "scontrol",
+        }
     if shutil.which("sacct"):
         a = _slurm("sacct", "-j", job, "-X", "-n", "-P", "-o", "State,Reason,ExitCode,Elapsed,NodeList")
         line = a.stdout.strip().splitlines()[0] if a.returncode == 0 and a.stdout.strip() else ""
         if line:
             state, reason, code, elapsed, node = (line.split("|") + [""] * 5)[:5]
-            return {"state": state.split()[0], "reason": reason, "exit_code": code, "elapsed": elapsed, "node": node,
-                    "source": "sacct"}  # fmt: skip
+            return {
+                "state": state.split()[0],
+                "reason": reason,
+                "exit_code": code,
+                "elapsed": elapsed,
+                "node": node,
+                "source": "sacct",
+            }
     if stage is not None and (stage / "job-exit.json").exists():
         ex = json.loads((stage / "job-exit.json").read_text(encoding="utf-8"))
         state = "COMPLETED" if ex["exit"] == 0 else "FAILED"
-        return {"state": state, "reason": "" if ex["exit"] == 0 else "NonZeroExitCode", "exit_code": f"{ex['exit']}:0",
-                "elapsed": "", "node": ex.get("node", ""), "source": "job-exit.json"}  # fmt: skip
-    return {"state": "UNKNOWN", "reason": "neither slurmctld nor accounting knows the job", "exit_code": "",
-            "elapsed": "", "node": "", "source": "none"}  # fmt: skip
+        return {
+            "state": state,
+            "reason": "" if ex["exit"] == 0 else "NonZeroExitCode",
+            "exit_code": f"{ex['exit']}:0",
+            "elapsed": "",
+            "node": ex.get("node", ""),
+            "source": "job-exit.json",
+        }
+    return {
+        "state": "UNKNOWN",
+        "reason": "neither slurmctld nor accounting knows the job",
+        "exit_code": "",
+        "elapsed": "",
+        "node": "",
+        "source": "none",
+    }
 
 
 def load_submission(ref: str | None, workdir: Path = WORKDIR) -> tuple[Path, dict[str, Any]]:
@@ -211,8 +295,10 @@ def status(ref: str | None, workdir: Path = WORKDIR) -> int:
         **{d: j["job"] for d, j in sub["devices"].items()},
         "(merge, publish, gate)": sub.get("gate", {}).get("job", "-"),
     }
-    rows = [[d, jobs[d], s["state"], s["reason"] or "-", s["exit_code"] or "-", s["elapsed"] or "-", s["node"] or "-"]
-            for d, s in st.items()]  # fmt: skip
+    rows = [
+        [d, jobs[d], s["state"], s["reason"] or "-", s["exit_code"] or "-", s["elapsed"] or "-", s["node"] or "-"]
+        for d, s in st.items()
+    ]
     print(f"submission {sub['id']} (slurm), code commit {sub['commit'][:12]}, {sdir}")
     print(tabulate(rows, headers=["device", "job", "state", "reason", "exit", "elapsed", "node"], tablefmt="github"))
     return 0
@@ -237,8 +323,14 @@ def collect(ref: str) -> int:
     sdir, sub = load_submission(ref)
     for d, j in sub["devices"].items():
         j["final"] = job_state(j["job"], Path(j["stage"]))
-        print(f"tilepilot: {d}: slurm job {j['job']} {j['final']['state']}"
-              + (f" ({j['final']['reason']}, exit {j['final']['exit_code']})" if j["final"]["state"] != "COMPLETED" else ""))  # fmt: skip
+        print(
+            f"tilepilot: {d}: slurm job {j['job']} {j['final']['state']}"
+            + (
+                f" ({j['final']['reason']}, exit {j['final']['exit_code']})"
+                if j["final"]["state"] != "COMPLETED"
+                else ""
+            )
+        )
     into = Path(sub["into"])
     stages = [Path(j["stage"]) / "results" for j in sub["devices"].values()]
     for (_d, j), st in zip(sub["devices"].items(), stages, strict=True):

@@ -112,16 +112,27 @@ def program(
 
 
 def tunable(
-    batch: int, heads: int, kv_heads: int, seq_q: int, seq_kv: int, head_dim: int, mask: str, dtype: str,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    seq_q: int,
+    seq_kv: int,
+    head_dim: int,
+    mask: str,
+    dtype: str,
     base: dict[str, Any],
-) -> Callable[..., Any]:  # fmt: skip
+) -> Callable[..., Any]:
     """The program as TileLang's AutoTuner takes it (see kernels.gemm.tunable)."""
     knobs = {key: int(base[key]) for key in ("block_M", "block_N", "num_stages", "threads")}
     causal = mask == "causal"
     overlap = int(base.get("overlap", 0))  # not searched; fast_math is a compile option (tune passes it)
 
-    def fn(block_M: int = knobs["block_M"], block_N: int = knobs["block_N"], num_stages: int = knobs["num_stages"],
-           threads: int = knobs["threads"]) -> Any:  # fmt: skip
+    def fn(
+        block_M: int = knobs["block_M"],
+        block_N: int = knobs["block_N"],
+        num_stages: int = knobs["num_stages"],
+        threads: int = knobs["threads"],
+    ) -> Any:
         cfg = {"block_M": block_M, "block_N": block_N, "num_stages": num_stages, "threads": threads, "overlap": overlap}
         return program(batch, heads, kv_heads, seq_q, seq_kv, head_dim, causal, dtype, cfg)
 
@@ -132,15 +143,29 @@ def facts(
     batch: int, heads: int, kv_heads: int, seq_q: int, seq_kv: int, head_dim: int, mask: str, dtype: str
 ) -> dict[str, Any]:
     return {
-        "batch": batch, "heads": heads, "kv_heads": kv_heads, "seq_q": seq_q, "seq_kv": seq_kv,
-        "head_dim": head_dim, "mask": mask, "dtype": dtype,
-    }  # fmt: skip
+        "batch": batch,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "seq_q": seq_q,
+        "seq_kv": seq_kv,
+        "head_dim": head_dim,
+        "mask": mask,
+        "dtype": dtype,
+    }
 
 
 def build(
-    batch: int, heads: int, kv_heads: int, seq_q: int, seq_kv: int, head_dim: int, mask: str, dtype: str, device: str,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    seq_q: int,
+    seq_kv: int,
+    head_dim: int,
+    mask: str,
+    dtype: str,
+    device: str,
     cfg: dict[str, Any] | None = None,
-) -> Any:  # fmt: skip
+) -> Any:
     f = facts(batch, heads, kv_heads, seq_q, seq_kv, head_dim, mask, dtype)
     if cfg is None:
         choice = _config.choose(device, "attention", f)

@@ -61,8 +61,9 @@ def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]
             c_l = T.alloc_fragment((bm, bn), "float32")
             c_s = T.alloc_shared((bm, bn), dtype) if smem_epilogue else None
             if workers:  # a Python constant: TileLang keeps one branch when it parses this
-                sched = T.PersistentTileScheduler(m_tiles, n_tiles, num_workers=workers, swizzle_size=max(swizzle, 1),
-                                                  stateful=False)  # fmt: skip
+                sched = T.PersistentTileScheduler(
+                    m_tiles, n_tiles, num_workers=workers, swizzle_size=max(swizzle, 1), stateful=False
+                )
                 for w in T.serial(-(-(m_tiles * n_tiles) // workers)):
                     by, bx = sched.coord(workers * w + block)
                     if by < m_tiles and bx < n_tiles:
@@ -84,11 +85,31 @@ def tunable(m: int, n: int, k: int, layout: str, dtype: str, base: dict[str, Any
     epilogue = str(base.get("epilogue", "direct"))  # not searched: the pinned epilogue and schedule
     persistent = int(base.get("persistent", 0))
 
-    def fn(block_M: int = knobs["block_M"], block_N: int = knobs["block_N"], block_K: int = knobs["block_K"],
-           num_stages: int = knobs["num_stages"], threads: int = knobs["threads"], swizzle: int = knobs["swizzle"]) -> Any:  # fmt: skip
-        return program(m, n, k, layout, dtype, {"block_M": block_M, "block_N": block_N, "block_K": block_K,
-                                                "num_stages": num_stages, "threads": threads, "swizzle": swizzle,
-                                                "epilogue": epilogue, "persistent": persistent})  # fmt: skip
+    def fn(
+        block_M: int = knobs["block_M"],
+        block_N: int = knobs["block_N"],
+        block_K: int = knobs["block_K"],
+        num_stages: int = knobs["num_stages"],
+        threads: int = knobs["threads"],
+        swizzle: int = knobs["swizzle"],
+    ) -> Any:
+        return program(
+            m,
+            n,
+            k,
+            layout,
+            dtype,
+            {
+                "block_M": block_M,
+                "block_N": block_N,
+                "block_K": block_K,
+                "num_stages": num_stages,
+                "threads": threads,
+                "swizzle": swizzle,
+                "epilogue": epilogue,
+                "persistent": persistent,
+            },
+        )
 
     return fn
 
