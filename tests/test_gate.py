@@ -111,6 +111,29 @@ def edit_asv(tree: Path, commit: str, track: str, case: str, **cols: Any) -> Non
     f.write_text(json.dumps(data))
 
 
+def slow_down(tree: Path, case: str, factor: float, **asv: Any) -> None:
+    """The case's kernel `factor` times slower, in its record and in asv alike (they stay consistent)."""
+    import statistics
+
+    m = run_dir(tree) / "measure-gemm.json"
+    data = json.loads(m.read_text())
+    side = data["cases"][case]["kernel"]
+    side["samples_ms"] = [round(x * factor, 5) for x in side["samples_ms"]]
+    side["median_ms"] = statistics.median(side["samples_ms"])
+    data["cases"][case]["speedup"] = data["cases"][case]["reference"]["median_ms"] / side["median_ms"]
+    m.write_text(json.dumps(data))
+    edit_asv(tree, COMMIT, "track_kernel_ms", case, result=side["median_ms"], samples=side["samples_ms"], **asv)
+
+
+def asv_row(commit: str, track: str, case: str) -> tuple[Any, list[float]]:
+    """(value, samples) of one case in the committed asv result of a commit."""
+    data = json.loads(_asv_file(commit).read_text())
+    (key,) = [k for k in data["results"] if k.endswith(f"TrackGemm.{track}")]
+    row = data["results"][key]
+    i = row[1][0].index(f"'{case}'")
+    return row[0][i], row[data["result_columns"].index("samples")][i]
+
+
 # ---------------------------------------------------------------------------------------------
 # The committed history
 
@@ -157,40 +180,13 @@ def test_asv_value_that_disagrees_with_its_record_fails(tree: Path, tmp_path: Pa
 def test_regression_of_a_shipped_kernel_fails_even_when_asv_dates_are_out_of_order(tree: Path, tmp_path: Path) -> None:
     # The record and asv agree on a 30% slower shipped kernel; the commit's asv date is older than the
     # previous commit's, which used to skip the check.
-    m = run_dir(tree) / "measure-gemm.json"
-    data = json.loads(m.read_text())
-    side = data["cases"][SHIPPED]["kernel"]
-    side["samples_ms"] = [round(x * 1.3, 5) for x in side["samples_ms"]]
-    side["median_ms"] = sorted(side["samples_ms"])[len(side["samples_ms"]) // 2]
-    data["cases"][SHIPPED]["speedup"] = data["cases"][SHIPPED]["reference"]["median_ms"] / side["median_ms"]
-    m.write_text(json.dumps(data))
-    import statistics
-
-    edit_asv(
-        tree,
-        COMMIT,
-        "track_kernel_ms",
-        SHIPPED,
-        result=statistics.median(side["samples_ms"]),
-        samples=side["samples_ms"],
-        date=1,
-    )
+    slow_down(tree, SHIPPED, 1.3, date=1)
     fails(gate(tree, tmp_path), f"regression: {SHIPPED}:", f"against {PREVIOUS[:8]}")
 
 
 def test_regression_of_a_kernel_kept_behind_the_framework_is_a_note(tree: Path, tmp_path: Path) -> None:
-    prev = json.loads(_asv_file(PREVIOUS).read_text())
-    (key,) = [k for k in prev["results"] if k.endswith("TrackGemm.track_kernel_ms")]
-    row = prev["results"][key]
-    i = row[1][0].index(f"'{KEPT}'")
-    edit_asv(
-        tree,
-        PREVIOUS,
-        "track_kernel_ms",
-        KEPT,
-        result=row[0][i] / 2,
-        samples=[x / 2 for x in row[prev["result_columns"].index("samples")][i]],
-    )
+    value, samples = asv_row(PREVIOUS, "track_kernel_ms", KEPT)
+    edit_asv(tree, PREVIOUS, "track_kernel_ms", KEPT, result=value / 2, samples=[x / 2 for x in samples])
     r = gate(tree, tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"kernel not shipped, slower than before: {KEPT}" in (tmp_path / "gate" / "gate.md").read_text()
@@ -463,16 +459,7 @@ def test_the_verdict_on_every_committed_commit(tmp_path: Path, capsys: pytest.Ca
 
 def test_a_baseline_that_lacks_the_case_does_not_switch_the_regression_check_off(tree: Path, tmp_path: Path) -> None:
     # A 30% slower shipped kernel, and between it and PREVIOUS an ancestor measured on attention only.
-    import statistics
-
-    m = run_dir(tree) / "measure-gemm.json"
-    data = json.loads(m.read_text())
-    side = data["cases"][SHIPPED]["kernel"]
-    side["samples_ms"] = [round(x * 1.3, 5) for x in side["samples_ms"]]
-    side["median_ms"] = statistics.median(side["samples_ms"])
-    data["cases"][SHIPPED]["speedup"] = data["cases"][SHIPPED]["reference"]["median_ms"] / side["median_ms"]
-    m.write_text(json.dumps(data))
-    edit_asv(tree, COMMIT, "track_kernel_ms", SHIPPED, result=side["median_ms"], samples=side["samples_ms"])
+    slow_down(tree, SHIPPED, 1.3)
     between = subprocess.run(["git", "rev-list", f"{PREVIOUS}..{COMMIT}"], capture_output=True, text=True, cwd=ROOT)
     mid = between.stdout.split()[-1]  # the child of PREVIOUS: an ancestor of COMMIT
     prev = json.loads(_asv_file(PREVIOUS).read_text())
@@ -483,11 +470,7 @@ def test_a_baseline_that_lacks_the_case_does_not_switch_the_regression_check_off
 
 
 def test_asv_samples_that_are_not_the_records_fail(tree: Path, tmp_path: Path) -> None:
-    prev = json.loads(_asv_file(COMMIT).read_text())
-    (key,) = [k for k in prev["results"] if k.endswith("TrackGemm.track_kernel_ms")]
-    row = prev["results"][key]
-    i = row[1][0].index(f"'{SHIPPED}'")
-    samples = row[prev["result_columns"].index("samples")][i]
+    _, samples = asv_row(COMMIT, "track_kernel_ms", SHIPPED)
     top = samples.index(max(samples))  # the slowest sample, slower still: the median stays, the samples do not
     edit_asv(
         tree, COMMIT, "track_kernel_ms", SHIPPED, samples=[x * 3 if j == top else x for j, x in enumerate(samples)]

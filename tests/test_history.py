@@ -53,16 +53,7 @@ def _unmigrate(asv_dir: Path) -> None:
     scale = {"track_kernel_ms_per_tflop": 1000.0}
     for f in history._result_files(asv_dir):
         res = Results.load(str(f))
-        for attr in (
-            "_results",
-            "_benchmark_params",
-            "_benchmark_version",
-            "_started_at",
-            "_duration",
-            "_samples",
-            "_stats",
-            "_profiles",
-        ):
+        for attr in history.RESULT_TABLES:
             table = getattr(res, attr)
             out = {}
             for k, v in table.items():

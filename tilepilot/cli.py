@@ -188,7 +188,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--commit", default="HEAD", help="the revision to judge (default HEAD); its last code commit is judged"
     )
-    g.add_argument("--out", type=Path, default=None, help="where gate.json and gate.md go (default: gate/)")
+    g.add_argument(
+        "--out", type=Path, default=None, help="where gate.json and gate.md go (default: $TILEPILOT_GATE, else gate/)"
+    )
     g.add_argument(
         "--results",
         type=Path,
@@ -315,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "gate":
             from tilepilot import gate
 
-            return gate.gate(args.commit, args.matrix, args.out or gate.OUT, args.results)
+            return gate.gate(args.commit, args.matrix, args.out, args.results)
     except UserError as exc:
         print(f"tilepilot: error: {exc}", file=sys.stderr)
         return exc.exit_code

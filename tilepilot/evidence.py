@@ -279,13 +279,20 @@ class MeasuredCase(_View):
     suspect: list[str]
 
 
-class MeasureRecord(_View):
-    kind: Literal["measure"]
+class _CaseRecord(_View):
+    """A record of one entry per case: each entry is judged on its own view (MeasuredCase,
+    ModelCase), so that one bad case names itself and the others are still judged."""
+
+    kind: str
     schema_: SchemaOne = Field(alias="schema")
     complete: Complete
     device: str
+    cases: dict[str, dict[str, Any]]
+
+
+class MeasureRecord(_CaseRecord):
+    kind: Literal["measure"]
     op: str
-    cases: dict[str, dict[str, Any]]  # each judged on its own (MeasuredCase), so one bad case names itself
 
 
 class ModelSide(_View):
@@ -307,12 +314,8 @@ class ModelCase(_View):
     tilelang: ModelSide
 
 
-class ModelRecord(_View):
+class ModelRecord(_CaseRecord):
     kind: Literal["model"]
-    schema_: SchemaOne = Field(alias="schema")
-    complete: Complete
-    device: str
-    cases: dict[str, dict[str, Any]]
 
 
 V = TypeVar("V", bound=BaseModel)

@@ -23,6 +23,7 @@ internal error (the CLI writes the traceback to a log file).
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from tilepilot.errors import UserError
 from tilepilot.evidence import EvidenceError
 
 ROOT = record.ROOT
-OUT = ROOT / "gate"  # where gate.json and gate.md go unless --out says otherwise
+OUT = ROOT / "gate"  # where gate.json and gate.md go unless --out (or TILEPILOT_GATE) says otherwise
 PASS, FAIL, MISSING, COMPILE_ONLY = "PASS", "FAIL", "MISSING", "COMPILE-ONLY"
 # The suite hands asv samples rounded to 10 ns (benchmarks/_suite.py): a median read back from asv
 # agrees with the record's to within that.
@@ -938,13 +939,17 @@ def _relative(obj: Any) -> Any:
     return obj
 
 
-def gate(rev: str = "HEAD", matrix_path: Path | None = None, out_dir: Path = OUT, results: Path | None = None) -> int:
+def gate(
+    rev: str = "HEAD", matrix_path: Path | None = None, out_dir: Path | None = None, results: Path | None = None
+) -> int:
     from tilepilot import inject
 
     mx = matrix.load(matrix_path or matrix.DEFAULT_PATH)
     commit = code_commit(rev)
     if inject.active("internal", "gate"):  # the failure path of an internal error, for its test
         raise RuntimeError("injected internal error")
+    # Resolved here, not at import: a cluster's gate job writes beside its own staging tree.
+    out_dir = out_dir or Path(os.environ.get("TILEPILOT_GATE") or OUT)
     root = evidence.results_root(results)
     if not root.is_dir():
         raise UserError(f"--results {root}: not a results folder (records/ and asv/ as a pilot writes them)")

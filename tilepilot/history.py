@@ -276,6 +276,19 @@ def migrate(asv_dir: Path = ASV_RESULTS) -> list[str]:
     return done
 
 
+# asv's Results keeps one table per column, each keyed by benchmark name: a rename touches them all.
+RESULT_TABLES = (
+    "_results",
+    "_benchmark_params",
+    "_benchmark_version",
+    "_started_at",
+    "_duration",
+    "_samples",
+    "_stats",
+    "_profiles",
+)
+
+
 def _rename(f: Path, res: Any, key: str) -> None:
     """One benchmark of one asv Results renamed in place (its position kept), its values converted."""
     convert = RENAMED[key.rpartition(".")[2]][1]
@@ -290,16 +303,7 @@ def _rename(f: Path, res: Any, key: str) -> None:
         values = [None if v is None else convert(float(v)) for v in values]
     elif values is not None:
         values = convert(float(values))
-    for attr in (
-        "_results",
-        "_benchmark_params",
-        "_benchmark_version",
-        "_started_at",
-        "_duration",
-        "_samples",
-        "_stats",
-        "_profiles",
-    ):
+    for attr in RESULT_TABLES:
         table = getattr(res, attr)
         if key in table:
             value = values if attr == "_results" else table[key]

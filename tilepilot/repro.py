@@ -200,7 +200,8 @@ def render(case: Case, device: str, kind: str, dims: dict[str, int], cfg: dict[s
         dtype=case.dtype,
         variant=case.variant,
         cfg=cfg,
-        target=_config.target(device),
+        # A device without kernel configs (the CPU smoke device) has no target: its reproducer says so.
+        target=_config.target(device) if _config.load(device) is not None else None,
         seed=seed,
         tol=case.tolerance.model_dump(),
         program=inspect.getsource(mod.program) + f"\n\nprogram = {mod.program.__name__}\n",
