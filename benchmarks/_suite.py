@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's tilepilot and kernels
 
-from tilepilot import cases, matrix
+from tilepilot import blockspec, cases, matrix
 
 
 def case_ids(op: str) -> list[str]:
@@ -34,7 +34,7 @@ def case_ids(op: str) -> list[str]:
 def model_ids() -> list[str]:
     # Not through tilepilot.model: asv's forkserver imports these modules once and forks every track
     # call from it, and a forked torch costs ~25 ms a call (measured here, 704 calls: 17 s -> 36 s).
-    return cases.model_ids(matrix.load())
+    return blockspec.model_ids(matrix.load())
 
 
 def _measure_to_folder() -> str:

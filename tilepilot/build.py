@@ -1,5 +1,6 @@
 """Step 3: kernel build. Cold compile per case from a private empty cache, warm start from it in a
-fresh process, and checks on what came out (wgmma on sm90, none on sm80) -- no GPU needed.
+fresh process, and the operator's checks on what came out (wgmma on sm90, none on sm80) -- no
+GPU needed.
 
 Cold compiles fan out over spawned worker processes; their caches are merged into the run's
 cache so that the correctness and measurement steps start warm.
@@ -25,43 +26,31 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from tilepilot import registry
 from tilepilot.cases import Case
-
-# What the generated device source must (and must not) contain per target arch.
-EXPECT = {
-    "sm_90a": {"must": ["wgmma"], "must_not": []},
-    "sm_80": {"must": ["mma"], "must_not": ["wgmma"]},
-}
+from tilepilot.operator import SourceCheck
 
 
 def build_args(case: Case) -> dict[str, Any]:
-    d = case.dims
-    if case.op == "gemm":
-        return {"m": d["m"], "n": d["n"], "k": d["k"], "layout": case.variant, "dtype": case.dtype}
-    return {
-        **{k: d[k] for k in ("batch", "heads", "kv_heads", "seq_q", "seq_kv", "head_dim")},
-        "mask": case.variant,
-        "dtype": case.dtype,
-    }
+    return registry.of(case).build_args(case)
 
 
 def choice(case: Case, device: str) -> Any:
-    from kernels import _config, operator_module
+    from kernels import _config
 
-    return _config.choose(device, case.op, operator_module(case.op).facts(**build_args(case)))
+    return _config.choose(device, case.op, registry.of(case).facts(case))
 
 
 def compile_case(case: Case, device: str) -> Any:
     """Compile in this process, under whatever TILELANG_CACHE_DIR is set; raises on failure."""
-    from kernels import operator_module
-
-    return operator_module(case.op).build(**build_args(case), device=device)
+    return registry.of(case).build(case, device)
 
 
-def inspect_source(src: str, arch: str) -> dict[str, Any]:
-    rules = EXPECT.get(arch, {"must": [], "must_not": []})
-    missing = [w for w in rules["must"] if w not in src]
-    present = [w for w in rules["must_not"] if w in src]
+def inspect_source(src: str, arch: str, case: Case) -> dict[str, Any]:
+    """The operator's checks of the generated device source for this arch (wgmma on sm_90a, ...)."""
+    rules = registry.of(case).source_checks.get(arch, SourceCheck())
+    missing = [w for w in rules.must if w not in src]
+    present = [w for w in rules.must_not if w in src]
     return {
         "ok": not missing and not present,
         "missing": missing,
@@ -124,7 +113,7 @@ def _cold(case: Case, device: str, cache_dir: str, diag_dir: str | None) -> dict
         return out
     out["cold_s"] = time.perf_counter() - t0
     src = kernel.get_kernel_source()
-    out["inspect"] = inspect_source(src, arch)
+    out["inspect"] = inspect_source(src, arch, case)
     out["status"] = "ok" if out["inspect"]["ok"] else "check-failed"
     return out
 

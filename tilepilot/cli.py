@@ -121,7 +121,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("publish", help="asv publish into html/")
     t = sub.add_parser("tune", help="autotune the representative cases whose pinned config passes correctness (GPU)")
     t.add_argument("--device", required=True, help="the matrix.toml device to tune for; its GPU must be here")
-    t.add_argument("--ops", default="gemm,attention", help="comma-separated operators (default: gemm,attention)")
+    t.add_argument("--ops", default=None, help="comma-separated operators (default: every operator of matrix.toml)")
     t.add_argument("--cases", default=None, help="fnmatch globs over case ids")
     t.add_argument(
         "--budget-s", type=positive_float, default=480.0, help="stop starting new cases after this many seconds"
@@ -208,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         mx = matrix.load(args.matrix)
         if args.cmd == "matrix":
+            from tilepilot import registry
+
+            registry.check(mx, args.matrix)
             print(f"{args.matrix}: ok: {len(mx.devices)} devices, gate requires {', '.join(mx.gate.required)}")
             return 0
         if args.cmd == "env":
@@ -258,10 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "tune":
             from tilepilot import cases, tune
 
-            ops = [o for o in args.ops.split(",") if o]
-            bad = [o for o in ops if o not in mx.pilot.operators]
+            ops = [o for o in args.ops.split(",") if o] if args.ops else list(mx.operators)
+            bad = [o for o in ops if o not in mx.operators]
             if bad:
-                raise UserError(f"--ops {bad[0]!r}: not an operator of matrix.toml ({', '.join(mx.pilot.operators)})")
+                raise UserError(f"--ops {bad[0]!r}: not an operator of matrix.toml ({', '.join(mx.operators)})")
             mx.device(args.device)
             # Before the GPU is looked for: a pattern that selects nothing is a typo, wherever it runs.
             if not [c for c in cases.expand(mx, args.cases) if c.group == "representative" and c.op in ops]:

@@ -1,80 +1,41 @@
 """Step 4: correctness of one case through the public kernel API, as model code would call it.
 
 Fresh seeded random inputs per trial (never zeros), a NaN-poisoned output that must be fully
-written, and a reference in higher precision: fp64 matmul for GEMM, fp32 SDPA on upcast inputs for
-attention. A case must stay under both bounds: relative Frobenius error and elementwise isclose.
+written, and the operator's reference in higher precision (its harness's `exact`). A case must stay
+under both bounds: relative Frobenius error and elementwise isclose.
 """
 
 from __future__ import annotations
 
 import time
-import zlib
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 import kernels
+from tilepilot import registry
 from tilepilot.cases import Case
-
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def seed_for(case: Case, trial: int) -> int:
-    return zlib.crc32(f"{case.id}#{trial}".encode())
+    return case.seed(trial)
 
 
-def make_inputs(case: Case, trial: int, device: str = "cuda") -> tuple[torch.Tensor, ...]:
-    g = torch.Generator(device=device).manual_seed(seed_for(case, trial))
-    dt = DTYPES[case.dtype]
-    d = case.dims
-
-    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(shape, generator=g, device=device, dtype=torch.float32) * scale).to(dt)
-
-    if case.op == "gemm":
-        a = randn(d["m"], d["k"])
-        # Scaled so that outputs are O(1) whatever K is: elementwise tolerances then mean the same everywhere.
-        b_shape = (d["n"], d["k"]) if case.variant == "nt" else (d["k"], d["n"])
-        return a, randn(*b_shape, scale=d["k"] ** -0.5)
-    q = randn(d["batch"], d["heads"], d["seq_q"], d["head_dim"])
-    k = randn(d["batch"], d["kv_heads"], d["seq_kv"], d["head_dim"])
-    v = randn(d["batch"], d["kv_heads"], d["seq_kv"], d["head_dim"])
-    return q, k, v
+def make_inputs(case: Case, trial: int, device: str = "cuda") -> tuple[Any, ...]:
+    return registry.of(case).inputs(case, trial, device)
 
 
-def run_public(case: Case, inputs: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
-    if case.op == "gemm":
-        return kernels.gemm(inputs[0], inputs[1], trans_b=case.variant == "nt", out=out)
-    return kernels.attention(*inputs, causal=case.variant == "causal", out=out)
+def output_like(case: Case, inputs: tuple[Any, ...]) -> torch.Tensor:
+    return registry.of(case).output(case, inputs)
 
 
-def output_like(case: Case, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    if case.op == "gemm":
-        a, b = inputs
-        n = b.shape[0] if case.variant == "nt" else b.shape[1]
-        return torch.empty((a.shape[0], n), dtype=a.dtype, device=a.device)
-    return torch.empty_like(inputs[0])
+def run_public(case: Case, inputs: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
+    return registry.of(case).public(case, inputs, out)
 
 
-def reference_args(case: Case, inputs: tuple[torch.Tensor, ...]) -> tuple[Any, ...]:
-    """The framework op's arguments (``operator_module(case.op).reference``): the inputs, then the
-    variant's flag (trans_b for an ``nt`` GEMM, causal for a causal attention)."""
-    return (*inputs, case.variant == ("nt" if case.op == "gemm" else "causal"))
-
-
-def reference(case: Case, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    if case.op == "gemm":
-        a, b = (t.double() for t in inputs)
-        return a @ (b.t() if case.variant == "nt" else b)
-    q, k, v = (t.float() for t in inputs)
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    # The memory-efficient backend takes fp32 without materialising Sq x Skv scores (32k tokens).
-    with torch.nn.attention.sdpa_kernel(
-        [torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION, torch.nn.attention.SDPBackend.MATH]
-    ):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=case.variant == "causal").double()
+def reference(case: Case, inputs: tuple[Any, ...]) -> torch.Tensor:
+    """The operator's high-precision reference (float64)."""
+    return registry.of(case).exact(case, inputs)
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor, case: Case) -> dict[str, Any]:
@@ -114,7 +75,7 @@ def check_kernel(case: Case, kernel: Any, inputs: tuple[torch.Tensor, ...], ref:
 
     out = output_like(case, inputs).fill_(float("nan"))
     try:
-        kernel(*inputs, out)
+        registry.of(case).launch(kernel, inputs, out)
         torch.cuda.synchronize()
     except Exception as exc:
         return {"ok": False, "error": f"launch failed: {type(exc).__name__}: {exc}".splitlines()[0]}

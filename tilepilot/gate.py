@@ -32,7 +32,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from tilepilot import cases, envinfo, evidence, matrix, record
+from tilepilot import blockspec, cases, envinfo, evidence, matrix, record
 from tilepilot.errors import UserError
 from tilepilot.evidence import EvidenceError
 
@@ -455,7 +455,7 @@ def _operator(
     g: Gate, op: str, j: Judged, run: Run, asv_cur: AsvResult | None, am: AsvMachine | None
 ) -> dict[str, Any]:
     mx = g.mx
-    opcfg = getattr(mx.operators, op)
+    opcfg = mx.operators[op]
     expected = [c for c in cases.expand(mx) if c.op == op]
     ids = {c.id for c in expected}
     problems: list[str] = []
@@ -473,7 +473,7 @@ def _operator(
         if j.build
         else {}
     )
-    built_too = {c.id for c in cases.model_kernel_cases(mx) if c.op == op}  # the model block's kernels
+    built_too = {c.id for c in blockspec.model_kernel_cases(mx) if c.op == op}  # the model block's kernels
     problems += _unexpected(rows, ids, corr_path, f"{op}/") + _unexpected(builds, ids | built_too, build_path, f"{op}/")
     counts = {s: 0 for s in ("passed", "fallback", "failed", "error", "skipped")}
     if j.corr is None:
@@ -657,7 +657,7 @@ def _model(g: Gate, j: Judged, asv_cur: AsvResult | None) -> dict[str, Any]:
     path, data = j.model
     assert data is not None
     floor = 1 - mx.model.max_slowdown
-    expected = cases.model_ids(mx)
+    expected = blockspec.model_ids(mx)
     problems: list[str] = [f"model: {p}" for p in _unexpected(data.cases, set(expected), path, "")]
     shapes: dict[str, str] = {}
     for key in expected:
@@ -777,13 +777,13 @@ def _absent(g: Gate, device: str, unfinished: list[str]) -> dict[str, Any]:
     jobs = _job_outcomes(root, device, commit)
     if jobs:  # a job that failed, timed out or was cancelled says so, with Slurm's reason
         why += "; " + jobs[0]
-    ops = {op: {"status": status, "why": why} for op in g.mx.pilot.operators}
+    ops = {op: {"status": status, "why": why} for op in g.mx.operators}
     return {"device": device, "commit": commit, "status": status, "why": why, "operators": ops}
 
 
 def check_device(g: Gate, device: str) -> dict[str, Any]:
     dev = g.mx.device(device)
-    ops: list[str] = list(g.mx.pilot.operators)
+    ops: list[str] = list(g.mx.operators)
     try:
         run, unfinished = _find_run(g.root, device, g.commit)
     except EvidenceError as exc:
@@ -798,7 +798,7 @@ def check_device(g: Gate, device: str) -> dict[str, Any]:
     if run is None:
         return _absent(g, device, unfinished)
     j = _load_run(g.root, run, device, g.commit, dev, ops, "model" in g.mx.pilot.metrics)
-    every = {c.id for c in [*cases.expand(g.mx), *cases.model_kernel_cases(g.mx)]}
+    every = {c.id for c in [*cases.expand(g.mx), *blockspec.model_kernel_cases(g.mx)]}
     for path, rec in ((run.dir / "correctness.json", j.corr), (run.dir / "build.json", j.build)):
         foreign = [r.case for r in rec.cases if r.case.split("/")[0] not in ops] if rec else []
         j.problems += [f"record: {p}" for p in _unexpected(foreign, every, path, "")]
@@ -957,7 +957,7 @@ def gate(
     # The whole device matrix is shown; only the required devices decide.
     devices = [_relative({**check_device(g, d), "required": d in mx.gate.required}) for d in mx.devices]
     ok = all(d["status"] == PASS for d in devices if d["required"])
-    ops: list[str] = list(mx.pilot.operators)
+    ops: list[str] = list(mx.operators)
     lines = _report(commit, ok, devices, ops)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)

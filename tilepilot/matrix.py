@@ -13,10 +13,14 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveInt, 
 
 from tilepilot import quoting
 from tilepilot.errors import UserError
+from tilepilot.operator import Section, Tolerance
+
+__all__ = ["Matrix", "Section", "Tolerance", "load"]
 
 # TILEPILOT_MATRIX: another matrix for every step and subprocess of a run (`tilepilot --matrix` sets it).
 DEFAULT_PATH = Path(os.environ.get("TILEPILOT_MATRIX", Path(__file__).resolve().parent.parent / "matrix.toml"))
 Dtype = Literal["float16", "bfloat16"]
+OpName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")]
 Metric = Literal["correctness", "compile", "warm", "model", "memory"]
 
 
@@ -111,14 +115,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
-class PilotOperator(_Strict):
-    reference: PyName
-
-
 class Pilot(_Strict):
     metrics: list[Metric]
     fallback: Literal["required"]
-    operators: dict[Literal["gemm", "attention"], PilotOperator]
     # Correctness trials per case (fresh seeded inputs each): the pilot's default, and what the gate
     # requires of a release run.
     trials: PositiveInt = 3
@@ -191,75 +190,6 @@ class Device(_Strict):
         return self
 
 
-class Tolerance(_Strict):
-    rel_fro: Annotated[float, Field(gt=0)]
-    atol: Annotated[float, Field(ge=0)]
-    rtol: Annotated[float, Field(ge=0)]
-
-
-class GemmShape(_Strict):
-    id: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9.-]*$")]
-    m: PositiveInt
-    n: PositiveInt
-    k: PositiveInt
-
-
-class AttentionShape(_Strict):
-    id: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9.-]*$")]
-    batch: PositiveInt
-    heads: PositiveInt
-    kv_heads: PositiveInt
-    seq_q: PositiveInt
-    seq_kv: PositiveInt
-    head_dim: Literal[64, 128]
-
-    @model_validator(mode="after")
-    def _gqa(self) -> AttentionShape:
-        if self.heads % self.kv_heads:
-            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
-        return self
-
-
-class GemmShapes(_Strict):
-    representative: Annotated[list[GemmShape], Field(min_length=1)]
-    edge: list[GemmShape] = []
-
-
-class AttentionShapes(_Strict):
-    representative: Annotated[list[AttentionShape], Field(min_length=1)]
-    edge: list[AttentionShape] = []
-
-
-class _OperatorBase(_Strict):
-    dtypes: Annotated[list[Dtype], Field(min_length=1)]
-    min_speedup: Annotated[float, Field(gt=0)]
-    peak_memory_factor: Annotated[float, Field(ge=1.0)]
-    tolerance: dict[Dtype, Tolerance]
-
-    @model_validator(mode="after")
-    def _tolerance_per_dtype(self) -> _OperatorBase:
-        missing = [d for d in self.dtypes if d not in self.tolerance]
-        if missing:
-            raise ValueError(f"no tolerance for dtype {', '.join(missing)}")
-        return self
-
-
-class GemmOperator(_OperatorBase):
-    layouts: Annotated[list[Literal["nt", "nn"]], Field(min_length=1)]
-    shapes: GemmShapes
-
-
-class AttentionOperator(_OperatorBase):
-    masks: Annotated[list[Literal["none", "causal"]], Field(min_length=1)]
-    not_yet: dict[str, str] = {}
-    shapes: AttentionShapes
-
-
-class Operators(_Strict):
-    gemm: GemmOperator
-    attention: AttentionOperator
-
-
 class Model(_Strict):
     """The model-level metric: one Llama-style decoder block, framework ops against kernels."""
 
@@ -298,7 +228,8 @@ class Matrix(_Strict):
     schema_: Literal[1] = Field(alias="schema")
     pilot: Pilot
     devices: dict[Annotated[str, Field(pattern=r"^[a-z0-9]+$")], Device]
-    operators: Operators
+    # Each operator's section; what its shapes must hold is its harness's (tilepilot.registry.check).
+    operators: Annotated[dict[OpName, Section], Field(min_length=1)]
     model: Model
     gate: Gate
 
@@ -307,11 +238,6 @@ class Matrix(_Strict):
         for dev in self.gate.required:
             if dev not in self.devices:
                 raise ValueError(f"gate.required names unknown device {dev!r} (known: {', '.join(self.devices)})")
-        for op in (self.operators.gemm, self.operators.attention):
-            ids = [s.id for s in op.shapes.representative + op.shapes.edge]
-            dup = {i for i in ids if ids.count(i) > 1}
-            if dup:
-                raise ValueError(f"duplicate shape id {', '.join(sorted(dup))}")
         return self
 
     def device(self, device_id: str) -> Device:

@@ -263,41 +263,20 @@ def ceilings(flush: L2Flush, clocks: Clocks) -> dict[str, Any]:
     }
 
 
-def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> str:
-    """The backend SDPA picks for these inputs (flash, cuDNN, efficient, math), by torch's own chooser."""
-    from torch.nn.attention import SDPBackend
-
-    idx = torch._fused_sdp_choice(q, k, v, None, 0.0, causal, scale=None, enable_gqa=q.shape[1] != k.shape[1])
-    return SDPBackend(idx).name
-
-
 def measure_case(
     case: Case, device: str, ceil: dict[str, Any], flush: L2Flush, clocks: Clocks, policy: Policy = Policy()
 ) -> dict[str, Any]:
-    """Kernel (the compiled TileLang kernel, called directly) against the framework op."""
-    from kernels import operator_module
-    from tilepilot import build, correctness
+    """Kernel (the compiled TileLang kernel, called directly) against the operator's framework op."""
+    from tilepilot import build, correctness, registry
 
+    op = registry.of(case)
     wall: dict[str, float] = {}
     t = time.perf_counter()
     inputs = correctness.make_inputs(case, 0)
-    mod = operator_module(case.op)
-    ref_args = correctness.reference_args(case, inputs)
-    out: dict[str, Any] = {"case": case.id, "group": case.group, "flops": case.flops}
-    reference: Callable[[], Any] = lambda: mod.reference(*ref_args)  # noqa: E731
-    if case.op == "attention":
-        # The framework op is what SDPA picks by default; the run records which backend that was and
-        # holds it to that backend, so that a second run cannot silently time another one.
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        q, k, v = inputs
-        out["reference_backend"] = sdpa_backend(q, k, v, causal=case.variant == "causal")
-        pinned = getattr(SDPBackend, out["reference_backend"])
-
-        def reference() -> Any:
-            with sdpa_kernel([pinned]):
-                return mod.reference(*ref_args)
-
+    out: dict[str, Any] = {"case": case.id, "group": case.group, "flops": op.flops(case), "bytes": op.bytes(case)}
+    fw = op.framework(case, inputs)
+    out.update(fw.notes)
+    reference: Callable[[], Any] = fw.call
     wall["inputs_s"] = time.perf_counter() - t
     t = time.perf_counter()
     reference()  # its first call: cuDNN builds its plan, cuBLAS picks its algorithm; not timed
@@ -317,7 +296,7 @@ def measure_case(
         dst = correctness.output_like(case, inputs)
 
         def tl() -> Any:
-            kernel(*inputs, dst)
+            op.launch(kernel, inputs, dst)
             return dst
 
         t = time.perf_counter()
@@ -337,9 +316,12 @@ def measure_case(
     )  # count its output too
     k_ms, r_ms = out["kernel"]["median_ms"], out["reference"]["median_ms"]
     for side, ms in (("kernel", k_ms), ("reference", r_ms)):
-        tflops = case.flops / (ms * 1e-3) / 1e12
+        tflops = out["flops"] / (ms * 1e-3) / 1e12
         out[side]["tflops"] = tflops
         out[side]["pct_matmul_ceiling"] = 100 * tflops / ceil["matmul_tflops"]
+        # The roofline's other side: a decode kernel is bound by bytes, not flops.
+        out[side]["tbps"] = out["bytes"] / (ms * 1e-3) / 1e12
+        out[side]["pct_copy_ceiling"] = 100 * out[side]["tbps"] / ceil["copy_tbps"]
     out["speedup"] = r_ms / k_ms
     suspect = []
     if out["speedup"] > 10:
@@ -410,13 +392,13 @@ def measure_all(device: str, pattern: str | None, run_dir: Path | None, started:
     flush, clocks = L2Flush(), Clocks()
     tools = (flush, clocks, ceilings(flush, clocks))
     parts["ceilings_s"] = time.perf_counter() - t0
-    out: dict[str, Any] = {op: measure_operator(op, device, pattern, run_dir, tools) for op in mx.pilot.operators}
+    out: dict[str, Any] = {op: measure_operator(op, device, pattern, run_dir, tools) for op in mx.operators}
     ids = model.case_ids(mx)
     if pattern is None or any(fnmatch.fnmatch(i, p) for i in ids for p in pattern.split(",")):
         out["model"] = model.measure_model(mx, device, run_dir, (flush, clocks))
     else:
         out["model"] = {"cases": {}}
-    parts.update({f"{op}_s": float(out[op].get("seconds", 0.0)) for op in [*mx.pilot.operators, "model"]})
+    parts.update({f"{op}_s": float(out[op].get("seconds", 0.0)) for op in [*mx.operators, "model"]})
     out["seconds"] = time.perf_counter() - started
     if run_dir is not None:
         record.write_json(

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from tilepilot.cases import Case, model_ids, model_kernel_cases
+from tilepilot.blockspec import model_ids, model_kernel_cases
+from tilepilot.cases import Case
 from tilepilot.matrix import Dtype, Matrix, Model
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}

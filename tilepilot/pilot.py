@@ -479,7 +479,7 @@ def _measure_failures(run: Run, sel: list[cases.Case], rc: int) -> list[str]:
     out = [f"measure: asv exited {rc}; see {_rel(run.log)}"] if rc != 0 else []
     if not (run.dir / "measure.json").exists():
         return [*out, f"measure: the measurement did not run (no {_rel(run.dir / 'measure.json')})"]
-    for op in run.mx.pilot.operators:
+    for op in run.mx.operators:
         want = [c.id for c in sel if c.op == op]
         if not want:
             continue
@@ -556,7 +556,7 @@ def summary_table(run: Run, sel: list[cases.Case]) -> str:
     built = {r["case"]: r for r in load("build.json", "build").get("cases", [])}
     correct = {r["case"]: r for r in load("correctness.json", "correctness").get("cases", [])}
     rows = []
-    for op in run.mx.pilot.operators:
+    for op in run.mx.operators:
         ids = [c.id for c in sel if c.op == op]
         if not ids:
             continue

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tilepilot import envinfo, record
+from tilepilot import envinfo, record, registry
 from tilepilot.cases import Case
 
 KINDS = ("compile", "wrong", "crash", "hang")
@@ -37,25 +37,7 @@ def repro_dir(device: str, case_id: str, root: Path | None = None) -> Path:
 
 def dims_space(case: Case) -> list[str]:
     """The dimensions that shrink, outermost first (a smaller batch or head count helps most)."""
-    if case.op == "gemm":
-        return ["m", "n", "k"]
-    return ["batch", "kv_heads", "groups", "seq_q", "seq_kv"]
-
-
-def _to_case_dims(case: Case, dims: dict[str, int]) -> dict[str, int]:
-    if case.op == "gemm":
-        return dict(dims)
-    out = {k: v for k, v in dims.items() if k != "groups"}
-    out["heads"] = dims["kv_heads"] * dims["groups"]
-    return out
-
-
-def _from_case_dims(case: Case) -> dict[str, int]:
-    d = dict(case.dims)
-    if case.op == "attention":
-        d["groups"] = d["heads"] // d["kv_heads"]
-        del d["heads"]
-    return d
+    return list(registry.of(case).shrink_order)
 
 
 def minimize(
@@ -108,7 +90,6 @@ import torch
 import tilelang
 
 LOG2E = 1.44269504
-OP = {op!r}
 DIMS = {dims!r}
 DTYPE = {dtype!r}
 VARIANT = {variant!r}
@@ -118,37 +99,7 @@ SEED = {seed!r}
 TOL = {tol!r}
 
 {program}
-
-def build() -> Any:
-    d = DIMS
-    if OP == "gemm":
-        return program(d["m"], d["n"], d["k"], VARIANT, DTYPE, CFG)
-    return program(d["batch"], d["heads"], d["kv_heads"], d["seq_q"], d["seq_kv"], d["head_dim"],
-                   VARIANT == "causal", DTYPE, CFG)
-
-
-def inputs() -> tuple:
-    g = torch.Generator(device="cuda").manual_seed(SEED)
-    dt = getattr(torch, DTYPE)
-    randn = lambda *s, scale=1.0: (torch.randn(s, generator=g, device="cuda") * scale).to(dt)
-    d = DIMS
-    if OP == "gemm":
-        b = (d["n"], d["k"]) if VARIANT == "nt" else (d["k"], d["n"])
-        return randn(d["m"], d["k"]), randn(*b, scale=d["k"] ** -0.5)
-    return (randn(d["batch"], d["heads"], d["seq_q"], d["head_dim"]),
-            randn(d["batch"], d["kv_heads"], d["seq_kv"], d["head_dim"]),
-            randn(d["batch"], d["kv_heads"], d["seq_kv"], d["head_dim"]))
-
-
-def reference(args: tuple) -> torch.Tensor:
-    if OP == "gemm":
-        a, b = (t.double() for t in args)
-        return a @ (b.t() if VARIANT == "nt" else b)
-    q, k, v = (t.float() for t in args)
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
-    v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=VARIANT == "causal").double()
-
+{code}
 
 def main() -> int:
     try:
@@ -160,12 +111,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("cannot run here: the kernel compiles; its runtime check needs a CUDA GPU")
         return 2
-    args = inputs()
-    if OP == "gemm":
-        out = torch.full((DIMS["m"], DIMS["n"]), float("nan"), dtype=args[0].dtype, device="cuda")
-    else:
-        out = torch.full_like(args[0], float("nan"))  # poisoned: every element must be written
-    kernel(*args, out)
+    args = inputs(torch.Generator(device="cuda").manual_seed(SEED))
+    out = output(args).fill_(float("nan"))  # poisoned: every element must be written
+    run(kernel, args, out)
     torch.cuda.synchronize()
     ref = reference(args)
     o = out.double()
@@ -186,17 +134,17 @@ if __name__ == "__main__":
 def render(case: Case, device: str, kind: str, dims: dict[str, int], cfg: dict[str, Any], seed: int) -> str:
     import datetime as dt
 
-    from kernels import _config, operator_module
+    from kernels import _config
 
-    mod = operator_module(case.op)
+    op = registry.of(case)
+    mod = op.kernel
     return _TEMPLATE.format(
         case_id=case.id,
         device=device,
         kind=kind,
         when=dt.date.today().isoformat(),
         original=case.dims,
-        dims=_to_case_dims(case, dims) if "groups" in dims else dims,
-        op=case.op,
+        dims=op.case_dims(dims),
         dtype=case.dtype,
         variant=case.variant,
         cfg=cfg,
@@ -204,25 +152,26 @@ def render(case: Case, device: str, kind: str, dims: dict[str, int], cfg: dict[s
         target=_config.target(device) if _config.load(device) is not None else None,
         seed=seed,
         tol=case.tolerance.model_dump(),
-        program=inspect.getsource(mod.program) + f"\n\nprogram = {mod.program.__name__}\n",
+        program="\n\n".join(inspect.getsource(f) for f in [mod.program, *op.repro_functions()])
+        + f"\n\nprogram = {mod.program.__name__}\n",
+        code=op.repro_code(),
     )
 
 
 def _with_dims(case: Case, dims: dict[str, int]) -> Case:
     from dataclasses import replace
 
-    return replace(case, dims=_to_case_dims(case, dims))
+    return replace(case, dims=registry.of(case).case_dims(dims))
 
 
 def _compile_fails(case: Case, device: str, cfg: dict[str, Any], expected: str) -> Callable[[dict[str, int]], bool]:
-    from tilepilot import build
 
     def fails(dims: dict[str, int]) -> bool:
-        from kernels import _dispatch, operator_module
+        from kernels import _dispatch
 
         c = _with_dims(case, dims)
         try:
-            operator_module(c.op).build(**build.build_args(c), device=device, cfg=cfg)
+            registry.of(c).build(c, device, cfg)
         except _dispatch.CompileFailed as exc:
             return str(exc).split(":")[0] == expected.split(":")[0]  # the same exception type
         return False
@@ -269,7 +218,6 @@ def write(
     max_tries: int = 40,
 ) -> Path:
     """Write the reproducer folder for a failed case, minimizing its shape where that can run here."""
-    from kernels import operator_module
     from tilepilot import build
 
     if kind not in KINDS:
@@ -279,7 +227,7 @@ def write(
         cfg = dict(ch.config) if ch is not None else {}
     out = repro_dir(device, case.id, root)
     out.mkdir(parents=True, exist_ok=True)
-    original = _from_case_dims(case)
+    original = registry.of(case).shrink_dims(case)
     fails: Callable[[dict[str, int]], bool] | None = None
     why_not = ""
     if kind == "compile":
@@ -297,7 +245,7 @@ def write(
     try:  # the generated source at the minimized shape, when the compile gets that far
         from kernels import _dispatch
 
-        kernel = operator_module(case.op).build(**build.build_args(small), device=device, cfg=cfg)
+        kernel = registry.of(small).build(small, device, cfg)
         (out / "kernel.cu").write_text(kernel.get_kernel_source(), encoding="utf-8")
     except _dispatch.CompileFailed:
         pass

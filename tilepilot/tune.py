@@ -1,6 +1,6 @@
 """Autotuning, after correctness, as its own explicit step: `nox -s tune-<device>`.
 
-    tilepilot tune --device sm90 [--ops gemm,attention] [--cases GLOB] [--budget-s 480]
+    tilepilot tune --device sm90 [--ops OP,OP] [--cases GLOB] [--budget-s 480]
 
 For each representative case whose pinned config passes correctness, TileLang's AutoTuner searches
 the `[<op>.tune]` space of kernels/configs/<device>.toml (every knob not named keeps the pinned
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tilepilot import build, cases, envinfo, matrix, record
+from tilepilot import build, cases, envinfo, matrix, record, registry
 from tilepilot.errors import UserError
 
 MIN_GAIN = 1.02  # below this, a "win" is within the run-to-run noise of a power-capped card
@@ -63,10 +63,9 @@ def _check(case: cases.Case, kernel: Any) -> dict[str, Any]:
 def _autotune(case: cases.Case, device: str, configs: list[dict[str, Any]], base: dict[str, Any]) -> dict[str, Any]:
     from tilelang.autotuner import AutoTuner
 
-    from kernels import _config, _dispatch, operator_module
+    from kernels import _config, _dispatch
 
-    mod = operator_module(case.op)
-    fn = mod.tunable(**build.build_args(case), base=base)  # knobs not searched default to `base`
+    fn = registry.of(case).tunable(case, base)  # knobs not searched default to `base`
     keys = sorted(_config.load(device)[case.op]["tune"])  # type: ignore[index]
     tuner = AutoTuner.from_kernel(kernel=fn, configs=[{k: c[k] for k in keys} for c in configs])
     tuner.set_compile_args(target=_config.target(device), pass_configs=_dispatch.pass_configs(base))
@@ -79,29 +78,27 @@ def _autotune(case: cases.Case, device: str, configs: list[dict[str, Any]], base
 def evaluate(case: cases.Case, device: str, cfg: dict[str, Any], flush: Any, clocks: Any) -> dict[str, Any]:
     """A candidate config for one case: correctness on every trial, then timed against the pinned
     config and the framework op in one alternating session (tilepilot.measure, the pilot's method)."""
-    from kernels import operator_module
     from tilepilot import correctness, measure
 
-    mod = operator_module(case.op)
+    op = registry.of(case)
     pinned_cfg = build.choice(case, device).config
     row: dict[str, Any] = {"case": case.id, "pinned": pinned_cfg, "config": cfg}
     if cfg == pinned_cfg:
         row["verdict"] = "pinned config kept: it won the search"
         return row
-    pinned = mod.build(**build.build_args(case), device=device, cfg=pinned_cfg)
-    winner = mod.build(**build.build_args(case), device=device, cfg=cfg)
+    pinned = op.build(case, device, pinned_cfg)
+    winner = op.build(case, device, cfg)
     row["winner_check"] = _check(case, winner)
     if not row["winner_check"]["ok"]:
         row["verdict"] = "pinned config kept: the winner fails correctness"
         return row
     inputs = correctness.make_inputs(case, 0)
     dst = correctness.output_like(case, inputs)
-    ref_args = correctness.reference_args(case, inputs)
     timed = measure.sample_many(
         {
-            "pinned": lambda: pinned(*inputs, dst),
-            "winner": lambda: winner(*inputs, dst),
-            "framework": lambda: mod.reference(*ref_args),
+            "pinned": lambda: op.launch(pinned, inputs, dst),
+            "winner": lambda: op.launch(winner, inputs, dst),
+            "framework": op.framework(case, inputs).call,
         },
         flush,
         clocks,
@@ -124,12 +121,10 @@ def evaluate(case: cases.Case, device: str, cfg: dict[str, Any], flush: Any, clo
 def tune_case(case: cases.Case, twins: list[cases.Case], device: str, flush: Any, clocks: Any) -> list[dict[str, Any]]:
     """Search on `case`; the winner is then evaluated on it and on its twins (the same shape in the
     other dtypes), each on its own evidence, so one search serves both dtypes."""
-    from kernels import operator_module
-
-    mod = operator_module(case.op)
+    op = registry.of(case)
     pinned_cfg = build.choice(case, device).config
     for c in [case, *twins]:  # autotune only after correctness: every case the search serves
-        check = _check(c, mod.build(**build.build_args(c), device=device, cfg=build.choice(c, device).config))
+        check = _check(c, op.build(c, device, build.choice(c, device).config))
         if not check["ok"]:
             return [
                 {
@@ -198,7 +193,7 @@ def tune(device: str, ops: list[str], pattern: str | None, budget_s: float, matr
         raise UserError(
             f"tune needs a {device} GPU here (found: {have}); autotuning measures, it cannot run compile-only"
         )
-    from kernels import _config, operator_module
+    from kernels import _config
     from tilepilot import measure
 
     sel = [c for c in cases.expand(mx, pattern) if c.group == "representative" and c.op in ops]
@@ -232,12 +227,12 @@ def tune(device: str, ops: list[str], pattern: str | None, budget_s: float, matr
     stamp = f"{dt.date.today().isoformat()}, {env['gpu']['name']}, code commit {commit[:12]}, run {rid}"
     entries = {
         op: [e for e in _config.load_tuned(device).get(op, []) if e["case"] not in {r["case"] for r in rows}]
-        for op in ("gemm", "attention")
+        for op in sorted({*ops, *_config.load_tuned(device)})
     }
     for r in rows:
         if r.get("verdict", "").startswith("pinned:"):
             case = next(c for c in sel if c.id == r["case"])
-            when = operator_module(case.op).facts(**build.build_args(case))
+            when = registry.of(case).facts(case)
             entries[case.op].append(
                 {
                     "case": r["case"],

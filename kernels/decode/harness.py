@@ -1,0 +1,178 @@
+"""The decode operator for the pilot: a few new query tokens per sequence against a KV cache with
+per-sequence lengths (cache_seqlens), causal bottom-right, GQA; against SDPA with the mask those
+lengths imply."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tilepilot import registry
+from tilepilot.operator import Case, Framework, Operator, Probe, Tolerance
+
+SHAPE = ("batch", "heads", "kv_heads", "seq_q", "cache_len", "head_dim")
+
+
+def lengths(dims: dict[str, int]) -> list[int]:
+    """The batch's cache lengths: evenly from min_len (the first sequence) to cache_len (the last)."""
+    b, lo, hi = dims["batch"], dims["min_len"], dims["cache_len"]
+    return [hi] if b == 1 else [round(lo + (hi - lo) * i / (b - 1)) for i in range(b)]
+
+
+def _rand(*shape: int, dtype: Any = None, device: str = "cpu") -> Any:
+    import torch
+
+    g = torch.Generator().manual_seed(sum(shape))
+    return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype or torch.float16).to(device)
+
+
+@registry.register
+class Decode(Operator):
+    name = "decode"
+    reference = "torch.nn.functional.scaled_dot_product_attention (attn_mask: bottom-right causal over cache_seqlens)"
+    dims = (*SHAPE, "min_len")
+    variant = "mask"
+    variants = ("bottom-right",)
+    shrink_order = ("batch", "kv_heads", "groups", "seq_q", "cache_len")
+
+    def check_shape(self, dims: dict[str, int]) -> str | None:
+        if dims["heads"] % dims["kv_heads"]:
+            return f"heads ({dims['heads']}) must be a multiple of kv_heads ({dims['kv_heads']})"
+        if dims["head_dim"] not in (64, 128):
+            return f"head_dim {dims['head_dim']}: the kernel has 64 and 128"
+        if not dims["seq_q"] <= dims["min_len"] <= dims["cache_len"]:
+            return "want seq_q <= min_len <= cache_len (each sequence's length counts its new tokens)"
+        return None
+
+    def build_args(self, case: Case) -> dict[str, Any]:
+        return {**{k: case.dims[k] for k in SHAPE}, "dtype": case.dtype}
+
+    def _pairs(self, case: Case) -> float:
+        sq = case.dims["seq_q"]
+        return float(sum(sq * (n - sq) + sq * (sq + 1) // 2 for n in lengths(case.dims)))
+
+    def flops(self, case: Case) -> float:
+        d = case.dims
+        return 4.0 * d["heads"] * d["head_dim"] * self._pairs(case)
+
+    def bytes(self, case: Case) -> float:
+        d = case.dims
+        kv = 2 * d["kv_heads"] * d["head_dim"] * sum(lengths(d))  # the valid cache, K and V, read once
+        q = d["batch"] * d["heads"] * d["seq_q"] * d["head_dim"]
+        return 2.0 * (kv + 2 * q) + 4.0 * d["batch"]
+
+    def inputs(self, case: Case, trial: int, device: str = "cuda") -> tuple[Any, ...]:
+        import torch
+
+        g = torch.Generator(device=device).manual_seed(case.seed(trial))
+        dt = getattr(torch, case.dtype)
+        d = case.dims
+
+        def randn(*shape: int) -> torch.Tensor:
+            return torch.randn(shape, generator=g, device=device, dtype=torch.float32).to(dt)
+
+        q = randn(d["batch"], d["heads"], d["seq_q"], d["head_dim"])
+        k = randn(d["batch"], d["kv_heads"], d["cache_len"], d["head_dim"])
+        v = randn(d["batch"], d["kv_heads"], d["cache_len"], d["head_dim"])
+        seqlens = torch.tensor(lengths(d), dtype=torch.int32, device=device)
+        return q, k, v, seqlens
+
+    def output(self, case: Case, inputs: tuple[Any, ...]) -> Any:
+        import torch
+
+        return torch.empty_like(inputs[0])
+
+    def public(self, case: Case, inputs: tuple[Any, ...], out: Any) -> Any:
+        import kernels
+
+        return kernels.decode_attention(*inputs, out=out)
+
+    def launch(self, kernel: Any, inputs: tuple[Any, ...], out: Any) -> None:
+        self.kernel.launch(kernel, *inputs, out)
+
+    def framework(self, case: Case, inputs: tuple[Any, ...]) -> Framework:
+        """SDPA with the boolean mask the lengths imply, built once outside the timed call (a serving
+        engine builds it once per step for every layer), held to the backend SDPA picks."""
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        q, k, v, seqlens = inputs
+        mask = self.kernel.mask(seqlens, q.shape[2], k.shape[2])
+        gqa = q.shape[1] != k.shape[1]
+        idx = torch._fused_sdp_choice(q, k, v, mask, 0.0, False, scale=None, enable_gqa=gqa)
+        backend = SDPBackend(idx)
+
+        def call() -> Any:
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+        return Framework(call, {"reference_backend": backend.name})
+
+    def exact(self, case: Case, inputs: tuple[Any, ...]) -> Any:
+        return self.kernel.reference_exact(*inputs)
+
+    def shrink_dims(self, case: Case) -> dict[str, int]:
+        d = dict(case.dims)
+        d["groups"] = d.pop("heads") // d["kv_heads"]
+        return d
+
+    def case_dims(self, shrunk: dict[str, int]) -> dict[str, int]:
+        d = {k: v for k, v in shrunk.items() if k != "groups"}
+        d["heads"] = shrunk["kv_heads"] * shrunk["groups"]
+        # The lengths keep their spread as the cache shrinks, and every sequence holds its queries.
+        d["min_len"] = max(d["seq_q"], min(d["min_len"], d["cache_len"]))
+        return d
+
+    def repro_code(self) -> str:
+        return """
+def _lengths():
+    b, lo, hi = DIMS["batch"], DIMS["min_len"], DIMS["cache_len"]
+    return [hi] if b == 1 else [round(lo + (hi - lo) * i / (b - 1)) for i in range(b)]
+
+
+def build():
+    d = DIMS
+    return program(d["batch"], d["heads"], d["kv_heads"], d["seq_q"], d["cache_len"], d["head_dim"], DTYPE, CFG)
+
+
+def inputs(g):
+    dt = getattr(torch, DTYPE)
+    randn = lambda *s: torch.randn(s, generator=g, device="cuda").to(dt)
+    d = DIMS
+    return (randn(d["batch"], d["heads"], d["seq_q"], d["head_dim"]),
+            randn(d["batch"], d["kv_heads"], d["cache_len"], d["head_dim"]),
+            randn(d["batch"], d["kv_heads"], d["cache_len"], d["head_dim"]),
+            torch.tensor(_lengths(), dtype=torch.int32, device="cuda"))
+
+
+def output(args):
+    return torch.empty_like(args[0])
+
+
+def run(kernel, args, out):
+    launch(kernel, *args, out)
+
+
+def reference(args):
+    q, k, v, lens = args
+    out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
+    groups, sq = q.shape[1] // k.shape[1], q.shape[2]
+    for b, n in enumerate(lens.tolist()):
+        kb = k[b, :, :n].double().repeat_interleave(groups, 0)
+        vb = v[b, :, :n].double().repeat_interleave(groups, 0)
+        s = q[b].double() @ kb.transpose(-1, -2) / q.shape[-1] ** 0.5
+        allowed = torch.arange(n, device=q.device)[None, :] <= (n - sq + torch.arange(sq, device=q.device))[:, None]
+        out[b] = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ vb
+    return out
+"""
+
+    def repro_functions(self) -> list[Any]:
+        return [self.kernel.launch]
+
+    def small_case(self) -> Case:
+        tol = Tolerance(rel_fro=3e-3, atol=1e-2, rtol=1e-2)
+        dims = {"batch": 3, "heads": 8, "kv_heads": 2, "seq_q": 2, "cache_len": 300, "min_len": 40, "head_dim": 64}
+        return Case(self.name, "probe-b3-c300", "edge", "float16", "bottom-right", dims, tol)
+
+    def probes(self) -> list[Probe]:
+        return []
