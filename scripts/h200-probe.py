@@ -77,18 +77,15 @@ def _case(cid: str) -> Any:
 def _program(cid: str, cfg: dict[str, Any]) -> Any:
     import tilelang.language as T
 
-    from kernels import operator_module
-    from tilepilot import build
+    from tilepilot import registry
 
     case = _case(cid)
-    mod = operator_module(case.op)
-    args = build.build_args(case)
+    op = registry.of(case)
+    mod, args = op.kernel, op.program_args(case)
     clean = {k: v for k, v in cfg.items() if not k.startswith("probe_")}
     wait = cfg.get("probe_wg_wait")
     if wait is None:
-        if case.op == "gemm":
-            return mod.program(**args, cfg=clean)
-        return mod.program(**{k: v for k, v in args.items() if k != "mask"}, causal=args["mask"] == "causal", cfg=clean)
+        return mod.program(**args, cfg=clean)
     real = T.gemm
     T.gemm = lambda *a, **kw: real(*a, **kw, annotations={"wg_wait": wait})
     try:
@@ -150,8 +147,8 @@ def variants(out: Path) -> None:
     import tilelang
     import torch
 
-    from kernels import _config, _dispatch, operator_module
-    from tilepilot import correctness, measure, tune
+    from kernels import _config, _dispatch
+    from tilepilot import correctness, measure, registry, tune
 
     jobs = _jobs(GEMM_CASES + ATTENTION_CASES)
     t = time.perf_counter()
@@ -161,12 +158,10 @@ def variants(out: Path) -> None:
     report["ceilings"] = measure.ceilings(flush, clocks)
     for cid in GEMM_CASES + ATTENTION_CASES:
         case = _case(cid)
-        mod = operator_module(case.op)
         inputs = correctness.make_inputs(case, 0)
         dst = correctness.output_like(case, inputs)
-        ref_args = correctness.reference_args(case, inputs)
         row: dict[str, Any] = {"variants": {}}
-        fns: dict[str, Any] = {"framework": functools.partial(mod.reference, *ref_args)}
+        fns: dict[str, Any] = {"framework": registry.of(case).framework(case, inputs).call}
         for (jc, name, cfg), (_, cold_s, err) in zip(jobs, compiled, strict=True):
             if jc != cid:
                 continue
@@ -180,14 +175,14 @@ def variants(out: Path) -> None:
             )
             v["check"] = tune._check(case, kernel)  # a launch failure is this variant's result
             if v["check"]["ok"]:
-                fns[name] = functools.partial(kernel, *inputs, dst)
+                fns[name] = functools.partial(registry.of(case).launch, kernel, inputs, dst)
         timed = measure.sample_many(fns, flush, clocks)
         for name, res in timed.items():
             entry = row["variants"].setdefault(name, {})
             entry["median_ms"] = res["median_ms"]
             entry["noise"] = res["noise"]
             entry["n"] = res["n"]
-            entry["tflops"] = case.flops / (res["median_ms"] * 1e-3) / 1e12
+            entry["tflops"] = registry.of(case).flops(case) / (res["median_ms"] * 1e-3) / 1e12
             entry["sm_clock_median_mhz"] = res["sm_clock_median_mhz"]
         fw = timed["framework"]["median_ms"]
         for name, res in timed.items():
@@ -208,8 +203,7 @@ def _nvml() -> Any:
 def policies(out: Path) -> None:
     import torch
 
-    from kernels import operator_module
-    from tilepilot import build, correctness, measure
+    from tilepilot import build, correctness, measure, registry
 
     nv, h = _nvml()
     base = replace(measure.Policy(), rest=0.0, min_time_s=0.3)  # af2eb2d's policy
@@ -222,14 +216,13 @@ def policies(out: Path) -> None:
     prepared: dict[str, dict[str, Any]] = {}
     for cid in POLICY_CASES:
         case = _case(cid)
-        mod = operator_module(case.op)
+        op = registry.of(case)
         kernel = build.compile_case(case, DEVICE)
         inputs = correctness.make_inputs(case, 0)
         dst = correctness.output_like(case, inputs)
-        ref_args = correctness.reference_args(case, inputs)
         prepared[cid] = {
-            "kernel": functools.partial(kernel, *inputs, dst),
-            "reference": functools.partial(mod.reference, *ref_args),
+            "kernel": functools.partial(op.launch, kernel, inputs, dst),
+            "reference": op.framework(case, inputs).call,
         }
     rows: list[dict[str, Any]] = []
     for rep in range(4):

@@ -27,20 +27,18 @@ CASES = [
 def main() -> None:
     import torch
 
-    from kernels import operator_module
-    from tilepilot import build, cases, correctness, matrix
+    from tilepilot import build, cases, correctness, matrix, registry
 
     calls = []
     for cid in CASES:
         case = next(c for c in cases.expand(matrix.load(), cid))
-        mod = operator_module(case.op)
+        op = registry.of(case)
         kernel = build.compile_case(case, "sm90")
         inputs = correctness.make_inputs(case, 0)
         dst = correctness.output_like(case, inputs)
-        args = correctness.reference_args(case, inputs)
         calls += [
-            (f"{cid} tilelang", lambda k=kernel, i=inputs, d=dst: k(*i, d)),
-            (f"{cid} framework", lambda m=mod, a=args: m.reference(*a)),
+            (f"{cid} tilelang", lambda o=op, k=kernel, i=inputs, d=dst: o.launch(k, i, d)),
+            (f"{cid} framework", op.framework(case, inputs).call),
         ]
     for _, fn in calls:
         fn()

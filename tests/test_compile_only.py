@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tilepilot import build, cases, matrix
+from tilepilot import build, cases, matrix, registry
 
 CASES = cases.expand(matrix.load())
 DEVICES = ["sm90", "sm80"]
@@ -34,7 +34,7 @@ GROUPS = dict(sorted(GROUPS.items(), key=lambda g: (g[1][0].op != "attention", g
 # The case that is also built through tilelang.compile, once per device and operator (dtype and
 # layout | mask take the same path): a small one, and for gemm the one test_tune builds as well
 # (the run's cache then serves it once).
-WHOLE_WAY = {"gemm/odd-k77/float16/nt", "attention/tiny-16/float16/none"}
+WHOLE_WAY = {"gemm/odd-k77/float16/nt", "attention/tiny-16/float16/none", "decode/len1-d64/float16/bottom-right"}
 KERNEL_NAME = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(")
 
 
@@ -45,12 +45,8 @@ def nvcc_here() -> None:
 
 
 def _program(case: cases.Case, cfg: dict[str, Any]) -> Any:
-    from kernels import operator_module
-
-    args = build.build_args(case)
-    if case.op == "attention":
-        args["causal"] = args.pop("mask") == "causal"
-    return operator_module(case.op).program(**args, cfg=cfg)
+    op = registry.of(case)
+    return op.kernel.program(**op.program_args(case), cfg=cfg)
 
 
 def _lower(case: cases.Case, device: str) -> tuple[str, dict[str, Any]]:
@@ -107,7 +103,7 @@ def test_compiles(group: str) -> None:
         except Exception as exc:  # a lowering or codegen error: this case fails, the others go on
             failed[case.id] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[-1]}"
             continue
-        report = build.inspect_source(lowered[case.id][0], arch)
+        report = build.inspect_source(lowered[case.id][0], arch, case)
         if not report["ok"]:
             failed[case.id] = f"on {arch}: missing {report['missing']}, unexpected {report['unexpected']}"
     for whole in [c for c in GROUPS[group] if c.id in WHOLE_WAY and c.id in lowered]:
@@ -181,7 +177,7 @@ def test_the_persistent_gemm_schedule_builds_for_sm90a() -> None:
     }
     kernel = tilelang.compile(gemm.program(1000, 8192, 512, "nt", "float16", cfg), target=_config.target("sm90"))
     src = kernel.get_kernel_source()
-    assert build.inspect_source(src, "sm_90a")["ok"]
+    assert build.inspect_source(src, "sm_90a", next(c for c in CASES if c.op == "gemm"))["ok"]
     assert "__launch_bounds__(384" in src  # a producer warpgroup beside the two consumers
     assert "* 132)" in src  # tile index = wave * 132 + block: the worker count strides the walk
 

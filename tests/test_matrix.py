@@ -41,6 +41,11 @@ def test_cases_cover_the_matrix() -> None:
     assert any(c.dims["seq_q"] != c.dims["seq_kv"] for c in attn)
     assert any(c.dims["heads"] != c.dims["kv_heads"] for c in attn)
     assert cases.expand(matrix.load(), "gemm/tiny-16/*") == [c for c in gemm if c.shape_id == "tiny-16"]
+    decode = [c for c in all_cases if c.op == "decode"]
+    assert {c.variant for c in decode} == {"bottom-right"}
+    assert {c.dims["batch"] for c in decode} >= {1, 8, 32} and {c.dims["cache_len"] for c in decode} >= {4096, 131072}
+    assert any(c.dims["min_len"] * 100 <= c.dims["cache_len"] for c in decode)  # lengths 100x apart
+    assert not any(c.dims["seq_q"] < c.dims["seq_kv"] for c in attn), "a short query against a long cache is decode's"
 
 
 BAD = [
@@ -59,7 +64,7 @@ BAD = [
     (
         "non-positive size",
         lambda t: t.replace("m = 1\n", "m = 0\n", 1),
-        r"operators\.gemm\.shapes\.edge\.0\.m: .*greater than 0",
+        r"operators\.gemm\.shapes\.edge\.0: m: want a positive integer, got 0",
     ),
     (
         "missing field",
@@ -67,7 +72,7 @@ BAD = [
         r"devices\.sm90\.torch: required key is missing",
     ),
     ("not toml", lambda t: t + "\n[[[", r"not valid TOML"),
-    ("schema", lambda t: t.replace("schema = 1", "schema = 2"), r"schema: .*got 2"),
+    ("schema", lambda t: t.replace("schema = 2", "schema = 3"), r"schema: .*got 3"),
     (
         "slurm time",
         lambda t: t.replace('time = "00:30:00"', 'time = "half an hour"', 1),
@@ -166,10 +171,10 @@ HOSTILE = [
         r"devices\.sm90\.torch_index: .*want an http\(s\) URL",
     ),
     (
-        "operator reference",
-        'reference = "torch.matmul"',
-        'reference = "torch.matmul; rm"',
-        r"pilot\.operators\.gemm\.reference: .*dotted Python name",
+        "operator name",
+        "[operators.gemm]\n",
+        '[operators."gemm; rm"]\n',
+        r"operators\.gemm; rm\.\[key\]: .*want a string matching",
     ),
     (
         "partition",

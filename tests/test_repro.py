@@ -91,3 +91,20 @@ def test_wrong_values_reproducer(patched: pytest.MonkeyPatch, tmp_path: Path) ->
     else:
         assert not info["minimized"] and "needs the sm90 GPU" in info["not_minimized_because"]
         assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    "case_id",
+    ["gemm/tiny-16/float16/nt", "attention/tiny-16/bfloat16/causal", "decode/len1-d64/float16/bottom-right"],
+)
+def test_every_operator_writes_a_reproducer_that_builds_its_kernel(case_id: str, tmp_path: Path) -> None:
+    """Each operator's reproducer: its kernel's program and the operator's standalone code, which
+    builds the kernel with TileLang alone; here it stops where it needs the GPU (exit 2), there it
+    runs the check (exit 0 for a kernel that is right)."""
+    case = next(c for c in cases.expand(matrix.load()) if c.id == case_id)
+    out = repro.write(case, "sm90", "wrong", "rel. error 0.4", root=tmp_path, on_device=False)
+    assert (out / "kernel.cu").read_text().count("__global__") >= 1
+    assert repro.summary(out)["minimized_dims"] == case.dims
+    proc = _run(out / "repro.py")
+    want = (0, "not reproduced") if GPU else (2, "needs a CUDA GPU")
+    assert proc.returncode == want[0] and want[1] in proc.stdout, proc.stdout + proc.stderr

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kernels import _config, operator_module
-from tilepilot import build, cases, envinfo, matrix, tune
+from kernels import _config
+from tilepilot import build, cases, envinfo, matrix, registry, tune
 from tilepilot.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,13 +42,20 @@ def test_a_missing_tune_table_is_named() -> None:
         tune.space("sm80", "gemm", {})
 
 
-@pytest.mark.parametrize("pattern", ["gemm/llama8b-qkv-t4096/bfloat16/nn", "attention/llama8b-s8192/float16/none"])
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "gemm/llama8b-qkv-t4096/bfloat16/nn",
+        "attention/llama8b-s8192/float16/none",
+        "decode/llama8b-b8-c32k/float16/bottom-right",
+    ],
+)
 def test_tunable_programs_suit_the_autotuner_and_compile_for_sm90a(pattern: str) -> None:
     import tilelang
 
     c = _case(pattern)
     pinned = build.choice(c, "sm90").config
-    fn = operator_module(c.op).tunable(**build.build_args(c), base=pinned)
+    fn = registry.of(c).tunable(c, pinned)
     # TileLang's AutoTuner keys its cache by the closure and refuses anything but plain values in it.
     assert all(isinstance(cell.cell_contents, (int, float, str, bool)) for cell in fn.__closure__ or ())
     cfg = next(x for x in tune.space("sm90", c.op, pinned) if x != pinned)
@@ -63,33 +70,41 @@ def test_a_candidate_that_cannot_launch_fails_its_check_and_the_caller_goes_on()
     from tilepilot import correctness
 
     c = _case("gemm/odd-k77/float16/nt")
-    kernel = operator_module("gemm").build(**build.build_args(c), device="sm90")
+    kernel = registry.of(c).build(c, "sm90")
     inputs = correctness.make_inputs(c, 0, device="cpu")
     res = correctness.check_kernel(c, kernel, inputs, correctness.reference(c, inputs))
     assert res["ok"] is False and res["error"].startswith("launch failed: ") and "\n" not in res["error"]
 
 
+@pytest.mark.parametrize(
+    ("pattern", "twin"),
+    [
+        ("gemm/square-8192/float16/nt", "gemm/square-8192/bfloat16/nt"),
+        ("attention/llama8b-s8192/float16/causal", "attention/llama8b-s8192/bfloat16/causal"),
+        ("decode/llama8b-b8-c32k/float16/bottom-right", "decode/llama8b-b8-c32k/bfloat16/bottom-right"),
+    ],
+)
 def test_pinned_winners_change_that_case_s_config_only_and_never_what_ships(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pattern: str, twin: str
 ) -> None:
-    c, other = _case("gemm/square-8192/float16/nt"), _case("gemm/square-8192/bfloat16/nt")
+    c, other = _case(pattern), _case(twin)
     before = build.choice(c, "sm90")
-    won = {**before.config, "num_stages": 4, "block_N": 128}
+    won = {**before.config, "num_stages": before.config["num_stages"] + 1, "threads": 384}
     monkeypatch.setattr(_config, "TUNED_DIR", tmp_path)
     _config.load_tuned.cache_clear()
     entry = {
         "case": c.id,
-        "when": operator_module("gemm").facts(**build.build_args(c)),
+        "when": registry.of(c).facts(c),
         "config": won,
         "gain": 1.031,
         "speedup_vs_framework": 0.97,
         "measured": "2026-12-02, NVIDIA H200, test",
     }
-    path = tune.write_tuned("sm90", {"gemm": [entry]})
+    path = tune.write_tuned("sm90", {c.op: [entry]})
     try:
         assert path == tmp_path / "sm90.toml" and "sm90" in _config.devices() and "tuned" not in _config.devices()
         after = build.choice(c, "sm90")
-        assert after.config == won and after.backend == before.backend == "framework"
+        assert after.config == won and after.backend == before.backend
         assert build.choice(other, "sm90").config == build.choice(other, "sm90").config != won
         assert build.choice(other, "sm90").config["num_stages"] == before.config["num_stages"]
     finally:

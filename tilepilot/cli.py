@@ -22,7 +22,7 @@ examples:
   tilepilot pilot --device sm90 --host
 
   # on a machine without the GPU: build and check the kernels only, on whatever stack is here
-  tilepilot pilot --device sm90 --host --compile-only --allow-unpinned --cases 'gemm/tiny-16/*'
+  tilepilot pilot --device sm90 --host --compile-only --allow-unpinned --cases '*/tiny-16/*'
 
   # the release verdict for the checked-out commit: gate/gate.md, exit 0 only on PASS
   tilepilot gate --commit HEAD
@@ -57,7 +57,12 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="tilepilot", description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--matrix", type=Path, default=matrix.DEFAULT_PATH, help="path to matrix.toml")
+    p.add_argument(
+        "--matrix",
+        type=Path,
+        default=None,
+        help="path to matrix.toml (default: the checkout's; the gate: the commit's)",
+    )
     sub = p.add_subparsers(
         dest="cmd",
         required=True,
@@ -202,15 +207,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # The gate judges a commit against its own matrix.toml unless one is named (flag or environment).
+    named_matrix = args.matrix is not None or bool(os.environ.get("TILEPILOT_MATRIX"))
+    args.matrix = args.matrix or matrix.DEFAULT_PATH
     if args.matrix != matrix.DEFAULT_PATH:  # the pilot's subprocesses (pytest, asv) read the same one
         os.environ["TILEPILOT_MATRIX"] = str(args.matrix.resolve())
         matrix.DEFAULT_PATH = args.matrix.resolve()
     try:
         mx = matrix.load(args.matrix)
-        if args.cmd == "matrix":
-            from tilepilot import registry
+        from tilepilot import registry
 
-            registry.check(mx, args.matrix)
+        registry.check(mx, args.matrix)  # what each operator's shapes must hold: its harness says
+        if args.cmd == "matrix":
             print(f"{args.matrix}: ok: {len(mx.devices)} devices, gate requires {', '.join(mx.gate.required)}")
             return 0
         if args.cmd == "env":
@@ -320,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "gate":
             from tilepilot import gate
 
-            return gate.gate(args.commit, args.matrix, args.out, args.results)
+            return gate.gate(args.commit, args.matrix if named_matrix else None, args.out, args.results)
     except UserError as exc:
         print(f"tilepilot: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -944,8 +944,9 @@ def gate(
 ) -> int:
     from tilepilot import inject
 
-    mx = matrix.load(matrix_path or matrix.DEFAULT_PATH)
     commit = code_commit(rev)
+    # A commit is judged against the matrix it was made (and measured) with, unless one is named.
+    mx = matrix.load(matrix_path) if matrix_path is not None else matrix.at_commit(commit, ROOT)
     if inject.active("internal", "gate"):  # the failure path of an internal error, for its test
         raise RuntimeError("injected internal error")
     # Resolved here, not at import: a cluster's gate job writes beside its own staging tree.

@@ -1,4 +1,4 @@
-"""Step 1: load and validate matrix.toml (schema 1) into typed, immutable objects."""
+"""Step 1: load and validate matrix.toml (schema 2; a schema-1 file is upgraded on load) into typed, immutable objects."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import tomllib
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
@@ -225,7 +225,7 @@ class Gate(_Strict):
 
 
 class Matrix(_Strict):
-    schema_: Literal[1] = Field(alias="schema")
+    schema_: Literal[2] = Field(alias="schema")
     pilot: Pilot
     devices: dict[Annotated[str, Field(pattern=r"^[a-z0-9]+$")], Device]
     # Each operator's section; what its shapes must hold is its harness's (tilepilot.registry.check).
@@ -253,7 +253,7 @@ def _one_line(path: Path, err: ValidationError) -> str:
         loc = "schema"
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
-        msg = "unknown key (not in schema 1)"
+        msg = "unknown key (not in schema 2)"
     elif first["type"] == "missing":
         msg = "required key is missing"
     elif first["type"] == "literal_error":
@@ -267,16 +267,61 @@ def _one_line(path: Path, err: ValidationError) -> str:
     return quoting.visible(f"{path}: {loc}: {msg}{more}")
 
 
+# Schema 1 named each operator's variant axis by its own key (gemm's `layouts`, attention's `masks`)
+# and listed the operators again under [pilot.operators]; schema 2 is the operator registry's.
+_AXES_OF_SCHEMA_1 = {"layouts": "layout", "masks": "mask"}
+
+
+def upgrade(raw: dict[str, Any]) -> dict[str, Any]:
+    """A schema-1 matrix (before the operator registry) as schema 2: committed commits stay judgeable
+    against the matrix they were measured with."""
+    if raw.get("schema") != 1:
+        return raw
+    raw = {**raw, "schema": 2}
+    pilot = raw.get("pilot")
+    if isinstance(pilot, dict):
+        raw["pilot"] = {k: v for k, v in pilot.items() if k != "operators"}
+    ops = raw.get("operators")
+    if isinstance(ops, dict):
+        raw["operators"] = {}
+        for name, sec in ops.items():
+            if isinstance(sec, dict):
+                sec = dict(sec)
+                for key, axis in _AXES_OF_SCHEMA_1.items():
+                    if key in sec:
+                        sec["variant"], sec["variants"] = axis, sec.pop(key)
+            raw["operators"][name] = sec
+    return raw
+
+
+def parse(text: str, where: Path | str) -> Matrix:
+    """Validate a matrix's text; every failure is a UserError with one line naming `where` and the key."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"{where}: not valid TOML: {exc}") from None
+    try:
+        return Matrix.model_validate(upgrade(raw))
+    except ValidationError as exc:
+        raise UserError(_one_line(Path(str(where)), exc)) from None
+
+
+def at_commit(commit: str, root: Path) -> Matrix:
+    """The matrix.toml a commit was made with (its runs were measured against it)."""
+    import subprocess
+
+    where = f"matrix.toml at {commit[:12]}"
+    r = subprocess.run(["git", "-C", str(root), "show", f"{commit}:matrix.toml"], capture_output=True, check=False)
+    if r.returncode != 0:
+        raise UserError(f"{where}: git show failed: {r.stderr.decode(errors='replace').strip()[:200]}")
+    return parse(r.stdout.decode("utf-8", errors="replace"), where)
+
+
 def load(path: Path | str = DEFAULT_PATH) -> Matrix:
     """Read and validate; every failure is a UserError with one line naming file and key."""
     path = Path(path)
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise UserError(f"{path}: no such file; pass --matrix PATH or run from the project root") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise UserError(f"{path}: not valid TOML: {exc}") from None
-    try:
-        return Matrix.model_validate(raw)
-    except ValidationError as exc:
-        raise UserError(_one_line(path, exc)) from None
+    return parse(text, path)

@@ -11,6 +11,7 @@ imports its harness (and with it torch), so the matrix and the case list stay to
 from __future__ import annotations
 
 import importlib
+import tomllib
 from pathlib import Path
 from typing import TypeVar
 
@@ -60,6 +61,19 @@ def check(mx: Matrix, path: object = "matrix.toml") -> None:
     a section per harness (an operator without one would ship unjudged), the shape dimensions and
     variants the operator declares, and its own shape rules. One UserError line, naming the key."""
     have = names()
+    for pkg in sorted(p.parent.name for p in KERNELS.glob("*/__init__.py")):
+        if pkg not in have:
+            raise UserError(
+                f"kernels/{pkg}/: a kernel package without its harness.py: it would ship unmeasured and unjudged; "
+                f"add kernels/{pkg}/harness.py (docs/ADD_OPERATOR.md)"
+            )
+    for cfg in sorted((KERNELS / "configs").glob("*.toml")):
+        sections = [k for k, v in tomllib.loads(cfg.read_text(encoding="utf-8")).items() if isinstance(v, dict)]
+        for sec in sections:
+            if sec not in have and sec != "target":
+                raise UserError(
+                    f"kernels/configs/{cfg.name}: [{sec}]: no operator {sec!r} (operators: {', '.join(have)})"
+                )
     for name in have:
         if name not in mx.operators:
             raise UserError(

@@ -1,0 +1,9 @@
+"""Decode attention over a KV cache: the TileLang kernel against SDPA with the cache lengths' mask."""
+
+from benchmarks._suite import _OperatorSuite, case_ids
+
+
+class TrackDecode(_OperatorSuite):
+    op = "decode"
+    params = [case_ids("decode")]
+    param_names = ["operator/shape/dtype/mask"]  # decode/llama8b-b8-c32k/bfloat16/bottom-right
