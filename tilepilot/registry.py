@@ -11,9 +11,10 @@ imports its harness (and with it torch), so the matrix and the case list stay to
 from __future__ import annotations
 
 import importlib
-import tomllib
 from pathlib import Path
 from typing import TypeVar
+
+import tomllib
 
 from tilepilot.errors import UserError
 from tilepilot.matrix import Matrix
