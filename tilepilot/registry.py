@@ -69,11 +69,11 @@ def check(mx: Matrix, path: object = "matrix.toml") -> None:
                 f"add kernels/{pkg}/harness.py (docs/ADD_OPERATOR.md)"
             )
     for cfg in sorted((KERNELS / "configs").glob("*.toml")):
-        sections = [k for k, v in tomllib.loads(cfg.read_text(encoding="utf-8")).items() if isinstance(v, dict)]
-        for sec in sections:
-            if sec not in have and sec != "target":
+        tables = [k for k, v in tomllib.loads(cfg.read_text(encoding="utf-8")).items() if isinstance(v, dict)]
+        for table in tables:
+            if table not in have and table != "target":
                 raise UserError(
-                    f"kernels/configs/{cfg.name}: [{sec}]: no operator {sec!r} (operators: {', '.join(have)})"
+                    f"kernels/configs/{cfg.name}: [{table}]: no operator {table!r} (operators: {', '.join(have)})"
                 )
     for name in have:
         if name not in mx.operators:
