@@ -287,20 +287,21 @@ def reference(
 def reference_exact(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor
 ) -> torch.Tensor:
-    """float64, per sequence on its valid keys only: one sequence's cache is upcast at a time."""
-    b, h, sq, d = q.shape
-    groups = h // k_cache.shape[1]
+    """float64, per sequence on its valid keys only: one sequence's cache is upcast at a time, and the
+    query heads of a kv head are its rows (no copy of the cache per query head)."""
+    _, h, sq, d = q.shape
+    kv_heads = k_cache.shape[1]
+    rows = h // kv_heads * sq
     out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
-    lens = cache_seqlens.tolist()
-    i = torch.arange(sq, device=q.device).view(-1, 1)
-    for n in range(b):
-        length = int(lens[n])
-        k = k_cache[n, :, :length].to(torch.float64).repeat_interleave(groups, dim=0)
-        v = v_cache[n, :, :length].to(torch.float64).repeat_interleave(groups, dim=0)
-        s = q[n].to(torch.float64) @ k.transpose(-1, -2) / d**0.5  # (H, Sq, L)
-        allowed = torch.arange(length, device=q.device).view(1, -1) <= length - sq + i
+    query_pos = torch.arange(rows, device=q.device).view(-1, 1) % sq  # row g * Sq + i is query i
+    for n, length in enumerate(cache_seqlens.tolist()):
+        k = k_cache[n, :, :length].to(torch.float64)  # (Hkv, L, D)
+        v = v_cache[n, :, :length].to(torch.float64)
+        s = q[n].to(torch.float64).reshape(kv_heads, rows, d) @ k.transpose(-1, -2) / d**0.5
+        allowed = torch.arange(length, device=q.device).view(1, -1) <= length - sq + query_pos
         s = s.masked_fill(~allowed, float("-inf"))
-        out[n] = torch.softmax(s, dim=-1) @ v
+        out[n] = (torch.softmax(s, dim=-1) @ v).reshape(h, sq, d)
+        del k, v, s
     return out
 
 
