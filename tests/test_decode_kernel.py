@@ -4,6 +4,7 @@ with a pinned config the TileLang kernel against that float64 reference."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 
 import pytest
@@ -194,3 +195,21 @@ def test_kernel_matches_exact(
     err = (out.double() - exact).norm() / exact.norm()
     assert err < (3e-3 if dtype == torch.float16 else 2e-2), err
     assert torch.equal(kernels.decode_attention(q, k, v, cl), out)  # the public function ships it
+
+
+# -- compile-only: TileLang lowers and nvcc builds the kernel for both devices, no GPU needed ------------
+
+
+@pytest.mark.parametrize(("device", "shape"), [("sm90", (2, 8, 8, 1, 1, 64)), ("sm80", (1, 16, 4, 77, 4097, 128))])
+def test_compiles(device: str, shape: tuple[int, ...]) -> None:
+    if shutil.which("nvcc") is None:
+        pytest.fail("nvcc is not on PATH: compile-only checks need CUDA's nvcc (CUDA 13.0)")
+    import tilelang
+
+    cfg = _config.choose(device, "decode", decode.facts(*shape, "float16"))
+    assert cfg is not None
+    kernel = tilelang.compile(decode.program(*shape, "float16", cfg.config), target=_config.target(device))
+    src = kernel.get_kernel_source()
+    assert src.count("__global__ void __launch_bounds__") == 2  # the split pass and the combine
+    assert "mma" in src
+    assert ("wgmma" in src) == (device == "sm90")
