@@ -3,6 +3,7 @@
 from kernels import gemm, attention, fallback_reasons
 y = gemm(x, w, trans_b=True)            # x @ w.T, as nn.Linear
 o = attention(q, k, v, causal=True)     # as F.scaled_dot_product_attention
+o = decode_attention(q, k_cache, v_cache, cache_seqlens)  # one decode step over a KV cache
 with use_backend("tilelang"): ...       # what shipping every configured kernel would give
 """
 
@@ -10,9 +11,17 @@ from kernels._config import use_backend
 from kernels._fallback import clear as clear_fallback_reasons
 from kernels._fallback import reasons as fallback_reasons
 from kernels.attention import attention
+from kernels.decode import decode_attention
 from kernels.gemm import gemm
 
-__all__ = ["attention", "clear_fallback_reasons", "fallback_reasons", "gemm", "use_backend"]
+__all__ = [
+    "attention",
+    "clear_fallback_reasons",
+    "decode_attention",
+    "fallback_reasons",
+    "gemm",
+    "use_backend",
+]
 
 
 def operator_module(op: str):  # type: ignore[no-untyped-def]

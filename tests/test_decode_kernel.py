@@ -1,0 +1,215 @@
+"""Decode attention over a KV cache (kernels.decode): the mask's semantics, the framework reference
+against a float64 one computed on each sequence's valid keys only, the fallback reasons, and on a GPU
+with a pinned config the TileLang kernel against that float64 reference."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import kernels
+from kernels import _config, decode, operator_module
+
+GPU = torch.cuda.is_available() and _config.device_for_capability(*torch.cuda.get_device_capability()) is not None
+
+
+@pytest.fixture(autouse=True)
+def clean() -> Iterator[None]:
+    kernels.clear_fallback_reasons()
+    yield
+    kernels.clear_fallback_reasons()
+
+
+def inputs(
+    b: int,
+    h: int,
+    hkv: int,
+    sq: int,
+    s_max: int,
+    d: int,
+    lens: list[int],
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(b * 1000 + h * 100 + sq * 10 + s_max)
+    q, k, v = (
+        torch.randn(shape, generator=g).to(dtype).to(device) for shape in [(b, h, sq, d)] + [(b, hkv, s_max, d)] * 2
+    )
+    return q, k, v, torch.tensor(lens, dtype=torch.int32, device=device)
+
+
+def only_reason() -> str:
+    (reason,) = kernels.fallback_reasons("decode")
+    return reason
+
+
+def test_exported() -> None:
+    assert kernels.decode_attention is decode.decode_attention
+    assert operator_module("decode") is decode
+    assert "decode_attention" in kernels.__all__
+
+
+def test_mask_ragged_bottom_right() -> None:
+    lens = torch.tensor([1, 5, 8], dtype=torch.int32)
+    m = decode.mask(lens, 1, 8)
+    assert m.shape == (3, 1, 1, 8) and m.dtype == torch.bool
+    # Sq = 1: the whole valid cache, nothing past it.
+    for b, n in enumerate(lens.tolist()):
+        assert m[b, 0, 0].tolist() == [j < n for j in range(8)]
+    m = decode.mask(lens[1:], 3, 8)  # Sq = 3: the queries are cache positions L-3, L-2, L-1
+    assert m[0, 0].int().tolist() == [
+        [1, 1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 1, 1, 0, 0, 0],
+    ]
+    assert m[1, 0].int().tolist() == [
+        [1, 1, 1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1, 1, 1, 0],
+        [1, 1, 1, 1, 1, 1, 1, 1],
+    ]
+    # Sq = L: an ordinary causal prefill over the valid part.
+    m = decode.mask(torch.tensor([4], dtype=torch.int32), 4, 6)
+    assert torch.equal(m[0, 0, :, :4], torch.ones(4, 4, dtype=torch.bool).tril())
+    assert not m[0, 0, :, 4:].any()
+
+
+@pytest.mark.parametrize(
+    ("b", "h", "hkv", "sq", "s_max", "d", "lens"),
+    [
+        (3, 4, 2, 1, 40, 64, [1, 17, 40]),
+        (2, 8, 2, 5, 33, 64, [5, 33]),
+        (2, 4, 4, 7, 20, 128, [12, 7]),
+        (1, 2, 1, 1, 1, 64, [1]),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_reference_matches_exact(
+    b: int, h: int, hkv: int, sq: int, s_max: int, d: int, lens: list[int], dtype: torch.dtype
+) -> None:
+    q, k, v, cl = inputs(b, h, hkv, sq, s_max, d, lens, dtype)
+    ref = decode.reference(q, k, v, cl)
+    exact = decode.reference_exact(q, k, v, cl)
+    assert ref.shape == q.shape and ref.dtype == q.dtype and exact.dtype == torch.float64
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(ref.double(), exact, rtol=tol, atol=tol)
+
+
+def test_reference_exact_ignores_the_cache_past_each_length() -> None:
+    q, k, v, cl = inputs(2, 4, 2, 2, 16, 64, [3, 9])
+    exact = decode.reference_exact(q, k, v, cl)
+    k2, v2 = k.clone(), v.clone()
+    for b, n in enumerate(cl.tolist()):
+        k2[b, :, n:] = float("nan")
+        v2[b, :, n:] = float("nan")
+    assert torch.equal(decode.reference_exact(q, k2, v2, cl), exact)
+
+
+def test_cpu_falls_back_bit_for_bit() -> None:
+    q, k, v, cl = inputs(2, 8, 2, 3, 24, 64, [3, 24], torch.float16)
+    got = kernels.decode_attention(q, k, v, cl)
+    assert torch.equal(got, decode.reference(q, k, v, cl))
+    assert only_reason() == "unsupported device: cpu tensors"
+    out = torch.full_like(q, float("nan"))
+    assert kernels.decode_attention(q, k, v, cl, out=out) is out and torch.equal(out, got)
+
+
+def test_fallback_reasons() -> None:
+    q, k, v, cl = inputs(2, 4, 2, 1, 16, 64, [4, 16])
+
+    def check(reason: str, *args: torch.Tensor) -> None:
+        kernels.clear_fallback_reasons()
+        got = kernels.decode_attention(*args)
+        assert torch.equal(got, decode.reference(*args))
+        assert only_reason() == reason
+
+    check("unsupported dtype: torch.float32", q, k, v, cl)
+    q, k, v = q.half(), k.half(), v.half()
+    q80, k80 = inputs(2, 4, 2, 1, 16, 80, [4, 16], torch.float16)[:2]
+    check("unsupported shape: head_dim 80 (supported: (64, 128))", q80, k80, k80, cl)
+    q3 = inputs(2, 3, 2, 1, 16, 64, [4, 16], torch.float16)[0]
+    kernels.clear_fallback_reasons()
+    with pytest.raises(RuntimeError):  # SDPA itself refuses 3 heads over 2 kv heads
+        kernels.decode_attention(q3, k, v, cl)
+    assert only_reason() == "unsupported shape: heads must be a multiple of kv_heads, batch equal"
+    kt = k.transpose(2, 3).contiguous().transpose(2, 3)
+    check("unsupported shape: non-contiguous input", q, kt, v, cl)
+    reason = "unsupported shape: cache_seqlens must be int32 (B,) on q's device"
+    check(reason, q, k, v, cl.long())
+    check(reason, q, k, v, cl[:1])
+    kernels.clear_fallback_reasons()
+    with pytest.raises(RuntimeError):  # a 3-d query is no SDPA call either
+        kernels.decode_attention(q[:, :, 0], k, v, cl)
+    assert only_reason() == "unsupported shape: q, k_cache, v_cache must be 4-d (B, H, S, D), k_cache and v_cache alike"
+
+
+def test_seq_q_longer_than_cache_is_refused() -> None:
+    q, k, v, cl = inputs(1, 2, 2, 5, 4, 64, [4], torch.float16)
+    got = kernels.decode_attention(q, k, v, cl)  # SDPA with a mask whose first row attends nowhere
+    torch.testing.assert_close(got, decode.reference(q, k, v, cl), rtol=0, atol=0, equal_nan=True)
+    assert only_reason() == "unsupported shape: seq_q 5 > cache length 4"
+
+
+def test_config_and_tunable() -> None:
+    for dev in ("sm90", "sm80"):
+        f = decode.facts(1, 32, 8, 1, 4096, 128, "float16")
+        choice = _config.choose(dev, "decode", f)
+        assert choice is not None and choice.backend == "tilelang"
+        assert {"block_M", "block_N", "num_splits", "num_stages", "threads"} <= set(choice.config)
+        assert set(_config.load(dev)["decode"]["tune"]) <= set(choice.config)  # type: ignore[index]
+        fn = decode.tunable(*f.values(), base=choice.config)
+        assert fn.__defaults__ == tuple(
+            choice.config[k] for k in ("block_M", "block_N", "num_splits", "num_stages", "threads")
+        )
+
+
+# -- the TileLang kernel, on a GPU with a pinned config ---------------------------------------------
+
+GPU_CASES = [
+    (1, 32, 8, 1, 4096, 128, "uniform"),
+    (4, 32, 8, 1, 8192, 128, "ragged"),
+    (3, 32, 8, 16, 2048, 128, "ragged"),
+    (1, 16, 4, 77, 4097, 128, "ragged"),
+    (2, 8, 8, 1, 1, 64, "uniform"),
+    (3, 8, 2, 4, 1000, 64, "ragged"),
+]
+
+
+@pytest.mark.skipif(not GPU, reason="no GPU with a pinned config")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("b", "h", "hkv", "sq", "s_max", "d", "lengths"), GPU_CASES)
+def test_kernel_matches_exact(
+    b: int, h: int, hkv: int, sq: int, s_max: int, d: int, lengths: str, dtype: torch.dtype
+) -> None:
+    device = _config.device_for_capability(*torch.cuda.get_device_capability())
+    assert device is not None
+    lo = max(sq, s_max // 100, 1)
+    lens = [s_max] * b if lengths == "uniform" else torch.linspace(lo, s_max, b).round().int().tolist()
+    q, k, v, cl = inputs(b, h, hkv, sq, s_max, d, lens, dtype, "cuda")
+    kernel = decode.build(b, h, hkv, sq, s_max, d, decode.DTYPES[dtype], device)
+    out = torch.full_like(q, float("nan"))
+    decode.launch(kernel, q, k, v, cl, out)
+    exact = decode.reference_exact(q, k, v, cl)
+    err = (out.double() - exact).norm() / exact.norm()
+    assert err < (3e-3 if dtype == torch.float16 else 2e-2), err
+    assert torch.equal(kernels.decode_attention(q, k, v, cl), out)  # the public function ships it
+
+
+# -- compile-only: TileLang lowers and nvcc builds the kernel for both devices, no GPU needed ------------
+
+
+@pytest.mark.parametrize(("device", "shape"), [("sm90", (2, 8, 8, 1, 1, 64)), ("sm80", (1, 16, 4, 77, 4097, 128))])
+def test_compiles(device: str, shape: tuple[int, ...]) -> None:
+    if shutil.which("nvcc") is None:
+        pytest.fail("nvcc is not on PATH: compile-only checks need CUDA's nvcc (CUDA 13.0)")
+    import tilelang
+
+    cfg = _config.choose(device, "decode", decode.facts(*shape, "float16"))
+    assert cfg is not None
+    kernel = tilelang.compile(decode.program(*shape, "float16", cfg.config), target=_config.target(device))
+    src = kernel.get_kernel_source()
+    assert src.count("__global__ void __launch_bounds__") == 2  # the split pass and the combine
+    assert "mma" in src
+    assert ("wgmma" in src) == (device == "sm90")
