@@ -5,7 +5,7 @@
 For each representative case whose pinned config passes correctness, TileLang's AutoTuner searches
 the `[<op>.tune]` space of kernels/configs/<device>.toml (every knob not named keeps the pinned
 value). The winner is checked for correctness on every trial, then timed against the pinned config
-and the framework op with tilepilot.measure (the pilot's method, in one alternating session). Only a
+and the framework op with tilepilot.timing (the pilot's method, in one alternating session). Only a
 winner at least MIN_GAIN faster than the pinned config is pinned, into configs/tuned/<device>.toml,
 with its gain, the card, the date and the commit. Shipping decisions stay with the config's rules.
 The whole search is recorded in results/tune/<machine>/<run>-<op>.json.
@@ -78,9 +78,9 @@ def _autotune(case: cases.Case, device: str, configs: list[dict[str, Any]], base
 
 def evaluate(case: cases.Case, device: str, cfg: dict[str, Any], flush: Any, clocks: Any) -> dict[str, Any]:
     """A candidate config for one case: correctness on every trial, then timed against the pinned
-    config and the framework op in one alternating session (tilepilot.measure, the pilot's method)."""
+    config and the framework op in one alternating session (tilepilot.timing, the pilot's method)."""
     from kernels import operator_module
-    from tilepilot import correctness, measure
+    from tilepilot import correctness, timing
 
     mod = operator_module(case.op)
     pinned_cfg = build.choice(case, device).config
@@ -97,7 +97,7 @@ def evaluate(case: cases.Case, device: str, cfg: dict[str, Any], flush: Any, clo
     inputs = correctness.make_inputs(case, 0)
     dst = correctness.output_like(case, inputs)
     ref_args = correctness.reference_args(case, inputs)
-    timed = measure.sample_many(
+    timed = timing.sample_many(
         {
             "pinned": lambda: pinned(*inputs, dst),
             "winner": lambda: winner(*inputs, dst),
@@ -199,7 +199,7 @@ def tune(device: str, ops: list[str], pattern: str | None, budget_s: float, matr
             f"tune needs a {device} GPU here (found: {have}); autotuning measures, it cannot run compile-only"
         )
     from kernels import _config, operator_module
-    from tilepilot import measure
+    from tilepilot import timing
 
     sel = [c for c in cases.expand(mx, pattern) if c.group == "representative" and c.op in ops]
     if not sel:
@@ -208,7 +208,7 @@ def tune(device: str, ops: list[str], pattern: str | None, budget_s: float, matr
     groups: dict[tuple[str, str, str], list[cases.Case]] = {}
     for c in sel:
         groups.setdefault((c.op, c.shape_id, c.variant), []).append(c)
-    flush, clocks = measure.L2Flush(), measure.Clocks()
+    flush, clocks = timing.L2Flush(), timing.Clocks()
     from tilepilot.pilot import machine_name
 
     machine = machine_name(device, env["gpu"], True)
