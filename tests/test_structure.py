@@ -4,7 +4,13 @@ import time (paths and settings are resolved when a command runs, through tilepi
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
+
+from tilepilot import paths
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("tilepilot", "kernels", "benchmarks")
@@ -76,3 +82,105 @@ def test_no_import_circle() -> None:
     assert "tilepilot.record" in graph["tilepilot.measure"]  # `from tilepilot import ... record` inside a function
     cycles = _cycles(graph)
     assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+# Runs in a fresh interpreter: os.environ and os.getenv record every key read while each module of
+# the packages is imported; prints {module: [keys]}, a read attributed to the module whose body ran it.
+_SPY = r"""
+import importlib, json, os, sys
+
+names, reads, errors = json.loads(sys.argv[1]), {}, {}
+ours = set(names)
+importing = [None]
+
+
+def note(key):
+    if importing[0] is None:
+        return
+    frame = sys._getframe(1)
+    while frame is not None:
+        mod = frame.f_globals.get("__name__")
+        if frame.f_code.co_name == "<module>" and mod in ours:
+            break
+        frame = frame.f_back
+    where = mod if frame is not None else importing[0]
+    reads.setdefault(where, set()).add(str(key))
+
+
+class Recording(type(os.environ)):
+    def __getitem__(self, key):
+        note(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        note(key)
+        return super().get(key, default)
+
+    def __contains__(self, key):
+        note(key)
+        return super().__contains__(key)
+
+
+real = os.environ
+os.environ = Recording(real._data, real.encodekey, real.decodekey, real.encodevalue, real.decodevalue)
+_getenv = os.getenv
+
+
+def getenv(key, default=None):
+    note(key)
+    return _getenv(key, default)
+
+
+os.getenv = getenv
+for name in names:
+    importing[0] = name
+    try:
+        importlib.import_module(name)
+    except BaseException as exc:
+        errors[name] = f"{type(exc).__name__}: {exc}"
+importing[0] = None
+print(json.dumps({"reads": {k: sorted(v) for k, v in reads.items()}, "errors": errors}))
+"""
+
+
+class _Keys(dict[str, str]):
+    """An empty environment that notes the keys asked of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read: set[str] = set()
+
+    def get(self, key: str, default: object = None) -> Any:  # type: ignore[override]
+        self.read.add(key)
+        return default
+
+
+def test_no_environment_read_at_import() -> None:
+    # __main__ is the program itself: importing it runs the command line.
+    names = sorted(n for n in _modules() if not n.endswith("__main__"))
+    # asv learns a suite's parameters, the matrix's case ids, by importing bench_<op>.py (its class
+    # body): those imports are asv's discovery, and may read the matrix's path (tilepilot.paths) and
+    # nothing else. Every other module reads nothing at import.
+    spy = _Keys()
+    paths.Paths.from_env(spy)
+    allowed = {n: spy.read for n in names if n.startswith("benchmarks.bench_")}
+    assert "TILEPILOT_MATRIX" in spy.read
+    r = subprocess.run(
+        [sys.executable, "-c", _SPY, json.dumps(names)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert not out["errors"], f"modules that did not import: {out['errors']}"
+    bad = {
+        mod: [k for k in keys if k.startswith("TILEPILOT_") and k not in allowed.get(mod, ())]
+        for mod, keys in out["reads"].items()
+    }
+    bad = {mod: keys for mod, keys in bad.items() if keys}
+    assert not bad, "environment read at import time (module: keys): " + "; ".join(
+        f"{mod}: {', '.join(keys)}" for mod, keys in sorted(bad.items())
+    )

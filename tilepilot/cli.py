@@ -7,13 +7,14 @@ Every command validates matrix.toml first; a UserError becomes one line and exit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
 from typing import NoReturn
 
-from tilepilot import matrix
+from tilepilot import matrix, paths
 from tilepilot.errors import UserError
 
 EXAMPLES = """\
@@ -57,7 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="tilepilot", description=__doc__, epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--matrix", type=Path, default=matrix.DEFAULT_PATH, help="path to matrix.toml")
+    p.add_argument(
+        "--matrix", type=Path, default=None, help="path to matrix.toml (default: $TILEPILOT_MATRIX, else matrix.toml)"
+    )
     sub = p.add_subparsers(
         dest="cmd",
         required=True,
@@ -202,9 +205,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.matrix != matrix.DEFAULT_PATH:  # the pilot's subprocesses (pytest, asv) read the same one
+    where = paths.Paths.from_env()  # every path this command uses, resolved once
+    if args.matrix is None:
+        args.matrix = where.matrix
+    elif args.matrix != where.matrix:  # the pilot's subprocesses (pytest, asv) read the same one
         os.environ["TILEPILOT_MATRIX"] = str(args.matrix.resolve())
-        matrix.DEFAULT_PATH = args.matrix.resolve()
+        where = dataclasses.replace(where, matrix=args.matrix.resolve())
+    paths.use(where)
     try:
         mx = matrix.load(args.matrix)
         if args.cmd == "matrix":
@@ -280,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                 mx,
                 devices,
                 args.matrix.resolve(),
-                workdir=args.workdir or slurm.WORKDIR,
+                workdir=args.workdir,
                 pilot_args=["--cases", args.cases] if args.cases else [],
                 gate_partition=args.gate_partition,
                 on_duplicate=args.on_duplicate,
@@ -295,15 +302,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "status":
             from tilepilot import slurm
 
-            return slurm.status(args.submission, args.workdir or slurm.WORKDIR)
+            return slurm.status(args.submission, args.workdir)
         if args.cmd == "collect":
             from tilepilot import slurm
 
             return slurm.collect(args.submission)
         if args.cmd == "merge":
-            from tilepilot import merge, record
+            from tilepilot import merge
 
-            into = args.into or record.RESULTS
+            into = args.into or paths.current().results
             if not args.sources:
                 print("tilepilot: merge: no sources given, nothing to merge")
                 return 0

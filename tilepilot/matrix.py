@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -11,11 +10,9 @@ from typing import Annotated, Literal
 import tomllib
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
-from tilepilot import quoting
+from tilepilot import paths, quoting
 from tilepilot.errors import UserError
 
-# TILEPILOT_MATRIX: another matrix for every step and subprocess of a run (`tilepilot --matrix` sets it).
-DEFAULT_PATH = Path(os.environ.get("TILEPILOT_MATRIX", Path(__file__).resolve().parent.parent / "matrix.toml"))
 Dtype = Literal["float16", "bfloat16"]
 Metric = Literal["correctness", "compile", "warm", "model", "memory"]
 
@@ -341,9 +338,11 @@ def _one_line(path: Path, err: ValidationError) -> str:
     return quoting.visible(f"{path}: {loc}: {msg}{more}")
 
 
-def load(path: Path | str = DEFAULT_PATH) -> Matrix:
-    """Read and validate; every failure is a UserError with one line naming file and key."""
-    path = Path(path)
+def load(path: Path | str | None = None) -> Matrix:
+    """Read and validate; every failure is a UserError with one line naming file and key. The default
+    is paths.current().matrix: TILEPILOT_MATRIX, another matrix for every step and subprocess of a run
+    (`tilepilot --matrix` sets it), else the checkout's matrix.toml."""
+    path = Path(path) if path is not None else paths.current().matrix
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tilepilot import build, cases, envinfo, matrix, record
+from tilepilot import build, cases, envinfo, matrix, paths, record
 from tilepilot.errors import UserError
 
 MIN_GAIN = 1.02  # below this, a "win" is within the run-to-run noise of a power-capped card
@@ -190,7 +190,7 @@ def write_tuned(device: str, entries: dict[str, list[dict[str, Any]]], path: Pat
 def tune(device: str, ops: list[str], pattern: str | None, budget_s: float, matrix_path: Path | None = None) -> int:
     from tabulate import tabulate
 
-    mx = matrix.load(matrix_path or matrix.DEFAULT_PATH)
+    mx = matrix.load(matrix_path)
     mx.device(device)
     env = envinfo.capture()
     if envinfo.device_of_gpu(env["gpu"]) != device:
@@ -250,7 +250,7 @@ def tune(device: str, ops: list[str], pattern: str | None, budget_s: float, matr
             )
     for op in ops:
         record.write_json(
-            record.RESULTS / "tune" / machine / f"{rid}-{op}.json",
+            paths.current().results / "tune" / machine / f"{rid}-{op}.json",
             {
                 "kind": "tune",
                 "schema": record.SCHEMA,
