@@ -1,7 +1,7 @@
 """What both operator suites share. asv skips names with a leading underscore, so this base is
 not itself a benchmark; bench_<op>.py subclasses it with the operator and its case ids.
 
-The measurement (tilepilot.measure, CUDA events, L2 flush, adaptive sampling) runs once for all
+The measurement (tilepilot.measure and tilepilot.timing: CUDA events, L2 flush, adaptive sampling) runs once for all
 suites, in the setup_cache that they all inherit from _Measured: asv keys a setup_cache by the
 function's source location, so one inherited function is one process and one set of imports. Each
 track_ returns one case's value, latencies as samples so that asv's own statistics serve

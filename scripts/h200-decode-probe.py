@@ -27,15 +27,15 @@ def main() -> int:
     os.environ["TILELANG_CACHE_DIR"] = str(cache)
     import torch
 
-    from tilepilot import build, cases, correctness, matrix, measure
+    from tilepilot import build, cases, correctness, matrix, measure, timing
 
     sel = cases.expand(matrix.load(), args.cases)
     t0 = time.perf_counter()
     built = build.build_all(sel, "sm90", Path("/tmp/decode-probe-work"), cache, args.workers, warm=False)
     report: dict[str, object] = {"build_s": time.perf_counter() - t0, "build": built, "cases": {}}
     print(f"built {sum(b['status'] == 'ok' for b in built)}/{len(built)} in {report['build_s']:.0f}s", flush=True)
-    flush, clocks = measure.L2Flush(), measure.Clocks()
-    ceil = measure.ceilings(flush, clocks)
+    flush, clocks = timing.L2Flush(), timing.Clocks()
+    ceil = timing.ceilings(flush, clocks)
     report["ceilings"] = ceil
     bad = 0
     for case in sel:

@@ -5,7 +5,7 @@
 
 `variants`: each case's pinned config and the variants below are compiled (cold, in parallel worker
 processes), checked against the fp64/fp32 reference on every trial (outputs poisoned), and only the
-passing ones are timed against the framework op in one alternating session (tilepilot.measure).
+passing ones are timed against the framework op in one alternating session (tilepilot.timing).
 `probe_wg_wait` is evidence only: it lets one wgmma batch stay in flight while the consumer has
 already released its stage to the TMA producer, a race, never a shippable config; it measures what
 TileLang's `warpgroup_wait<0>` after every k-step costs.
@@ -148,14 +148,14 @@ def variants(out: Path) -> None:
     import torch
 
     from kernels import _config, _dispatch
-    from tilepilot import correctness, measure, registry, tune
+    from tilepilot import correctness, registry, timing, tune
 
     jobs = _jobs(GEMM_CASES + ATTENTION_CASES)
     t = time.perf_counter()
     compiled = _compile_all(jobs)
     report: dict[str, Any] = {"compile_wall_s": time.perf_counter() - t, "cases": {}}
-    flush, clocks = measure.L2Flush(), measure.Clocks()
-    report["ceilings"] = measure.ceilings(flush, clocks)
+    flush, clocks = timing.L2Flush(), timing.Clocks()
+    report["ceilings"] = timing.ceilings(flush, clocks)
     for cid in GEMM_CASES + ATTENTION_CASES:
         case = _case(cid)
         inputs = correctness.make_inputs(case, 0)
@@ -176,7 +176,7 @@ def variants(out: Path) -> None:
             v["check"] = tune._check(case, kernel)  # a launch failure is this variant's result
             if v["check"]["ok"]:
                 fns[name] = functools.partial(registry.of(case).launch, kernel, inputs, dst)
-        timed = measure.sample_many(fns, flush, clocks)
+        timed = timing.sample_many(fns, flush, clocks)
         for name, res in timed.items():
             entry = row["variants"].setdefault(name, {})
             entry["median_ms"] = res["median_ms"]
@@ -203,16 +203,16 @@ def _nvml() -> Any:
 def policies(out: Path) -> None:
     import torch
 
-    from tilepilot import build, correctness, measure, registry
+    from tilepilot import build, correctness, registry, timing
 
     nv, h = _nvml()
-    base = replace(measure.Policy(), rest=0.0, min_time_s=0.3)  # af2eb2d's policy
+    base = replace(timing.Policy(), rest=0.0, min_time_s=0.3)  # af2eb2d's policy
     pol = {
         "af2eb2d": base,
         "rest-1": replace(base, rest=1.0, min_time_s=0.1),
         "rest-3": replace(base, rest=3.0, min_time_s=0.1),
     }
-    flush, clocks = measure.L2Flush(), measure.Clocks()
+    flush, clocks = timing.L2Flush(), timing.Clocks()
     prepared: dict[str, dict[str, Any]] = {}
     for cid in POLICY_CASES:
         case = _case(cid)
@@ -230,7 +230,7 @@ def policies(out: Path) -> None:
             for pname, p in pol.items():
                 time.sleep(0.5)  # the idle gap a suite's compiles and checks leave between cases
                 t = time.perf_counter()
-                res = measure.sample_many(fns, flush, clocks, p)
+                res = timing.sample_many(fns, flush, clocks, p)
                 rows.append(
                     {
                         "rep": rep,

@@ -7,13 +7,14 @@ Every command validates matrix.toml first; a UserError becomes one line and exit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
 from typing import NoReturn
 
-from tilepilot import matrix
+from tilepilot import matrix, paths
 from tilepilot.errors import UserError
 
 EXAMPLES = """\
@@ -61,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
         "--matrix",
         type=Path,
         default=None,
-        help="path to matrix.toml (default: the checkout's; the gate: the commit's)",
+        help="path to matrix.toml (default: $TILEPILOT_MATRIX, else matrix.toml; the gate: the commit's)",
     )
     sub = p.add_subparsers(
         dest="cmd",
@@ -207,12 +208,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    where = paths.Paths.from_env()  # every path this command uses, resolved once
     # The gate judges a commit against its own matrix.toml unless one is named (flag or environment).
     named_matrix = args.matrix is not None or bool(os.environ.get("TILEPILOT_MATRIX"))
-    args.matrix = args.matrix or matrix.DEFAULT_PATH
-    if args.matrix != matrix.DEFAULT_PATH:  # the pilot's subprocesses (pytest, asv) read the same one
+    if args.matrix is None:
+        args.matrix = where.matrix
+    elif args.matrix != where.matrix:  # the pilot's subprocesses (pytest, asv) read the same one
         os.environ["TILEPILOT_MATRIX"] = str(args.matrix.resolve())
-        matrix.DEFAULT_PATH = args.matrix.resolve()
+        where = dataclasses.replace(where, matrix=args.matrix.resolve())
+    paths.use(where)
     try:
         mx = matrix.load(args.matrix)
         from tilepilot import registry
@@ -291,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                 mx,
                 devices,
                 args.matrix.resolve(),
-                workdir=args.workdir or slurm.WORKDIR,
+                workdir=args.workdir,
                 pilot_args=["--cases", args.cases] if args.cases else [],
                 gate_partition=args.gate_partition,
                 on_duplicate=args.on_duplicate,
@@ -306,15 +310,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "status":
             from tilepilot import slurm
 
-            return slurm.status(args.submission, args.workdir or slurm.WORKDIR)
+            return slurm.status(args.submission, args.workdir)
         if args.cmd == "collect":
             from tilepilot import slurm
 
             return slurm.collect(args.submission)
         if args.cmd == "merge":
-            from tilepilot import merge, record
+            from tilepilot import merge
 
-            into = args.into or record.RESULTS
+            into = args.into or paths.current().results
             if not args.sources:
                 print("tilepilot: merge: no sources given, nothing to merge")
                 return 0

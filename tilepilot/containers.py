@@ -25,12 +25,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tilepilot import matrix, quoting, record
+from tilepilot import matrix, paths, quoting, record
 from tilepilot.errors import UserError
 
 ROOT = record.ROOT
 TEMPLATES = ROOT / "containers"
-LOCKS = Path(os.environ.get("TILEPILOT_LOCKS", TEMPLATES / "locks"))
 PYPI = "https://pypi.org/simple"
 # What the harness itself needs in the image, beside torch and TileLang; versions come from the lock.
 HARNESS = ["pydantic", "tabulate", "asv", "pytest"]
@@ -46,7 +45,7 @@ def requirements(row: matrix.Device) -> list[str]:
 
 
 def lock_path(device: str) -> Path:
-    return LOCKS / f"{device}.lock"
+    return paths.current().locks / f"{device}.lock"
 
 
 def lock(mx: matrix.Matrix, device: str, wheelhouse: Path | None = None) -> Path:
@@ -326,9 +325,9 @@ def run(mx: matrix.Matrix, device: str, tag: str, args: list[str], matrix_path: 
         _check_labels(c.images.get(tag), device, tag)
     except docker.errors.ImageNotFound:
         raise UserError(f"no image {tag}: build it with `nox -s image-{device}`") from None
-    results = record.RESULTS.resolve()
+    results = paths.current().results.resolve()
     cache = Path(os.environ.get("TILEPILOT_CACHE", Path.home() / ".cache" / "tilepilot" / device)).resolve()
-    html = Path(os.environ.get("TILEPILOT_HTML", ROOT / "html")).resolve()
+    html = paths.current().html.resolve()
     for d in (results, cache, html):
         d.mkdir(parents=True, exist_ok=True)
     volumes = {

@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tilepilot import record
+from tilepilot import paths
 
 MAX_BYTES = 64 * 2**20  # the largest committed record is 1.3 MB; asv result files are smaller
 # A run folder's name: its UTC start time, and a hash where a merge kept two runs of one second.
@@ -344,5 +344,5 @@ def load(model: type[V], path: Path, root: Path) -> V:
 
 
 def results_root(results: Path | None = None) -> Path:
-    """The results tree, resolved once: the caller's, else the one record points at."""
-    return (results or record.RESULTS).resolve()
+    """The results tree, resolved once: the caller's, else paths.current().results (TILEPILOT_RESULTS)."""
+    return (results or paths.current().results).resolve()

@@ -23,7 +23,6 @@ internal error (the CLI writes the traceback to a log file).
 from __future__ import annotations
 
 import math
-import os
 import re
 import subprocess
 from dataclasses import dataclass, field
@@ -32,12 +31,11 @@ from typing import Any
 
 from tabulate import tabulate
 
-from tilepilot import blockspec, cases, envinfo, evidence, matrix, record
+from tilepilot import blockspec, cases, envinfo, evidence, matrix, paths, record
 from tilepilot.errors import UserError
 from tilepilot.evidence import EvidenceError
 
 ROOT = record.ROOT
-OUT = ROOT / "gate"  # where gate.json and gate.md go unless --out (or TILEPILOT_GATE) says otherwise
 PASS, FAIL, MISSING, COMPILE_ONLY = "PASS", "FAIL", "MISSING", "COMPILE-ONLY"
 # The suite hands asv samples rounded to 10 ns (benchmarks/_suite.py): a median read back from asv
 # agrees with the record's to within that.
@@ -950,7 +948,8 @@ def gate(
     if inject.active("internal", "gate"):  # the failure path of an internal error, for its test
         raise RuntimeError("injected internal error")
     # Resolved here, not at import: a cluster's gate job writes beside its own staging tree.
-    out_dir = out_dir or Path(os.environ.get("TILEPILOT_GATE") or OUT)
+    # gate.json and gate.md go where --out says, else TILEPILOT_GATE, else gate/ (paths.Paths.gate).
+    out_dir = out_dir or paths.current().gate
     root = evidence.results_root(results)
     if not root.is_dir():
         raise UserError(f"--results {root}: not a results folder (records/ and asv/ as a pilot writes them)")

@@ -25,13 +25,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tilepilot import record
+from tilepilot import paths, record
 from tilepilot.errors import UserError
 
 ROOT = record.ROOT
 CONF = ROOT / "asv.conf.json"
-ASV_RESULTS = record.RESULTS / "asv"
-HTML = Path(os.environ.get("TILEPILOT_HTML", ROOT / "html"))
 VENDOR = Path(__file__).resolve().parent / "www" / "vendor"
 
 
@@ -64,8 +62,8 @@ def _conf(tmp: Path) -> Path:
     conf = load_json(str(CONF), js_comments=True)
     conf.update(
         repo=str(ROOT),
-        results_dir=str(ASV_RESULTS),
-        html_dir=str(HTML),
+        results_dir=str(paths.current().asv),
+        html_dir=str(paths.current().html),
         env_dir=str(tmp / "env"),
         benchmark_dir=str(ROOT / conf.get("benchmark_dir", "benchmarks")),
     )
@@ -121,7 +119,7 @@ def run(machine: str, commit: str, capture: dict[str, Any], env: dict[str, str])
         "forkserver",
         env=env,
     )
-    mfile = ASV_RESULTS / machine / "machine.json"
+    mfile = paths.current().asv / machine / "machine.json"
     if mfile.exists():  # the environment capture, as extra keys asv carries along
         data = json.loads(mfile.read_text())
         data["tilepilot"] = {k: capture[k] for k in ("python", "torch", "tilelang", "toolkit", "gpu", "platform")}
@@ -129,20 +127,22 @@ def run(machine: str, commit: str, capture: dict[str, Any], env: dict[str, str])
     return rc
 
 
-def publish(html: Path = HTML) -> int:
-    if not ASV_RESULTS.is_dir() or not any(ASV_RESULTS.glob("*/machine.json")):
-        raise UserError(f"{ASV_RESULTS}: no asv results yet; run `nox -s pilot-sm90` on a GPU host first")
-    stale = old_names(ASV_RESULTS)
+def publish(html: Path | None = None) -> int:
+    html = html or paths.current().html
+    asv_results = paths.current().asv
+    if not asv_results.is_dir() or not any(asv_results.glob("*/machine.json")):
+        raise UserError(f"{asv_results}: no asv results yet; run `nox -s pilot-sm90` on a GPU host first")
+    stale = old_names(asv_results)
     if stale:  # their higher-is-better values would list improvements as regressions
         path, names = stale[0]
         raise UserError(
             f"{path}: benchmarks from before the lower-is-better rename ({', '.join(names)}); "
-            f"run `python -m tilepilot.history migrate {ASV_RESULTS}`"
+            f"run `python -m tilepilot.history migrate {asv_results}`"
         )
     rc = asv("publish", "--html-dir", str(html))
     if rc == 0:
         offline(html)
-        print(f"tilepilot: published {len(list(ASV_RESULTS.glob('*/machine.json')))} machine(s) to {html}/index.html")
+        print(f"tilepilot: published {len(list(asv_results.glob('*/machine.json')))} machine(s) to {html}/index.html")
     return rc
 
 
@@ -223,7 +223,7 @@ def describe() -> dict[str, dict[str, Any]]:
     return {b["name"]: b for b in json.loads(out.stdout)}
 
 
-def migrate(asv_dir: Path = ASV_RESULTS) -> list[str]:
+def migrate(asv_dir: Path | None = None) -> list[str]:
     """Rename the RENAMED benchmarks in every asv file under asv_dir, converting their values, so that
     the history shows under the new names. The other benchmarks' values, samples, statistics and
     versions stay as they were (asv's load and save round-trip them byte for byte). benchmarks.json
@@ -232,6 +232,7 @@ def migrate(asv_dir: Path = ASV_RESULTS) -> list[str]:
     from asv import util
     from asv.results import Results
 
+    asv_dir = asv_dir or paths.current().asv
     done = []
     for f in _result_files(asv_dir):
         try:
@@ -314,11 +315,11 @@ if __name__ == "__main__":
     if len(sys.argv) not in (2, 3) or sys.argv[1] != "migrate":
         sys.exit("usage: python -m tilepilot.history migrate [ASV_RESULTS_DIR]")
     try:
-        for line in migrate(Path(sys.argv[2]) if len(sys.argv) == 3 else ASV_RESULTS) or ["nothing to migrate"]:
+        for line in migrate(Path(sys.argv[2]) if len(sys.argv) == 3 else paths.current().asv) or ["nothing to migrate"]:
             print(f"tilepilot: {line}")
     except UserError as exc:
         sys.exit(f"tilepilot: {exc}")
 
 
 def machines(device: str) -> list[str]:
-    return sorted(p.parent.name for p in ASV_RESULTS.glob(f"{device}-*/machine.json"))
+    return sorted(p.parent.name for p in paths.current().asv.glob(f"{device}-*/machine.json"))

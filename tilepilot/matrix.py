@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -11,14 +10,12 @@ from typing import Annotated, Any, Literal
 import tomllib
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PositiveInt, ValidationError, model_validator
 
-from tilepilot import quoting
+from tilepilot import paths, quoting
 from tilepilot.errors import UserError
 from tilepilot.operator import Section, Tolerance
 
 __all__ = ["Matrix", "Section", "Tolerance", "load"]
 
-# TILEPILOT_MATRIX: another matrix for every step and subprocess of a run (`tilepilot --matrix` sets it).
-DEFAULT_PATH = Path(os.environ.get("TILEPILOT_MATRIX", Path(__file__).resolve().parent.parent / "matrix.toml"))
 Dtype = Literal["float16", "bfloat16"]
 OpName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$")]
 Metric = Literal["correctness", "compile", "warm", "model", "memory"]
@@ -317,9 +314,11 @@ def at_commit(commit: str, root: Path) -> Matrix:
     return parse(r.stdout.decode("utf-8", errors="replace"), where)
 
 
-def load(path: Path | str = DEFAULT_PATH) -> Matrix:
-    """Read and validate; every failure is a UserError with one line naming file and key."""
-    path = Path(path)
+def load(path: Path | str | None = None) -> Matrix:
+    """Read and validate; every failure is a UserError with one line naming file and key. The default
+    is paths.current().matrix: TILEPILOT_MATRIX, another matrix for every step and subprocess of a run
+    (`tilepilot --matrix` sets it), else the checkout's matrix.toml."""
+    path = Path(path) if path is not None else paths.current().matrix
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:

@@ -1,7 +1,7 @@
 """Step 6: the model-level metric. One Llama-style decoder block, built in torch and thrown away:
 what a kernel's speedup is worth once it sits between the norms, the RoPE and the residuals.
 
-The block runs three ways, timed with the same method as the kernels (tilepilot.measure):
+The block runs three ways, timed with the same method as the kernels (tilepilot.timing):
   framework  F.linear and SDPA only;
   shipped    kernels.gemm / kernels.attention through the public API, the configs deciding;
   tilelang   the same calls under kernels.use_backend("tilelang"): what shipping every kernel gives.
@@ -161,11 +161,11 @@ def measure_model(
     mx: Matrix, device: str, run_dir: Path | None, tools: tuple[Any, Any] | None = None
 ) -> dict[str, Any]:
     """Latency, peak memory and output agreement of the block, per token count and dtype."""
-    from tilepilot import measure, record
+    from tilepilot import record, timing
 
     t0 = time.perf_counter()
     cfg = mx.model
-    flush, clocks = tools if tools is not None else (measure.L2Flush(), measure.Clocks())
+    flush, clocks = tools if tools is not None else (timing.L2Flush(), timing.Clocks())
     results: dict[str, Any] = {}
     for tokens in cfg.tokens:
         for dtype in cfg.dtypes:
@@ -190,7 +190,7 @@ def measure_model(
 
 
 def _measure_one(cfg: Model, tokens: int, dtype: Dtype, device: str, flush: Any, clocks: Any) -> dict[str, Any]:
-    from tilepilot import measure
+    from tilepilot import timing
 
     agreement = evaluate(cfg, tokens, dtype, "cuda")
     dt = DTYPES[dtype]
@@ -207,10 +207,10 @@ def _measure_one(cfg: Model, tokens: int, dtype: Dtype, device: str, flush: Any,
         return run
 
     fns = {name: variant(name) for name in VARIANTS}
-    times = measure.sample_many(fns, flush, clocks)
+    times = timing.sample_many(fns, flush, clocks)
     out: dict[str, Any] = {"tokens": tokens, "dtype": dtype, "tolerance": cfg.tolerance[dtype]}
     for name, fn in fns.items():
-        out[name] = {**times[name], **agreement[name], "peak_mib": measure.peak_mib(fn)}
+        out[name] = {**times[name], **agreement[name], "peak_mib": timing.peak_mib(fn)}
     base = out["framework"]["median_ms"]
     out["speedup_shipped"] = base / out["shipped"]["median_ms"]
     out["speedup_tilelang"] = base / out["tilelang"]["median_ms"]

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from tilepilot import build, cases, envinfo, matrix, record
+from tilepilot import build, cases, envinfo, matrix, paths, record
 from tilepilot.errors import UserError
 
 ROOT = record.ROOT
@@ -57,7 +57,7 @@ class Run:
     trials: int
     cache: Path
     cold: str = "changed"
-    case_timeout_s: float = float(os.environ.get("TILEPILOT_CASE_TIMEOUT", "600"))
+    case_timeout_s: float = 600.0
     on_gpu: bool = False
     compile_only: bool = False
     unpinned: list[str] = field(default_factory=list)
@@ -69,7 +69,7 @@ class Run:
 
     @property
     def repro_root(self) -> Path:
-        return record.RESULTS / "repro"
+        return paths.current().results / "repro"
 
     @property
     def dir(self) -> Path:
@@ -650,7 +650,7 @@ def pilot(
     compile_only: bool = False,
     allow_unpinned: bool = False,
 ) -> int:
-    mx = matrix.load(matrix_path or matrix.DEFAULT_PATH)
+    mx = matrix.load(matrix_path)
     dev = mx.device(device)
     if trials < 1:
         raise UserError(f"--trials {trials}: must be at least 1")
@@ -677,14 +677,15 @@ def pilot(
             *(["--compile-only"] if compile_only else []),
             *(["--allow-unpinned"] if allow_unpinned else []),
         ]
-        return containers.run(mx, device, tag, args, matrix_path or matrix.DEFAULT_PATH)
+        return containers.run(mx, device, tag, args, matrix_path or paths.current().matrix)
     env = envinfo.capture()
     on_gpu = envinfo.device_of_gpu(env["gpu"]) == device
     # A CPU smoke device has no GPU to measure on: it is compile-only by what it is.
     compile_only = compile_only or dev.vendor == "cpu"
     unpinned = envinfo.pin_differences(dev, env, check_driver=on_gpu and not compile_only)
     cache = Path(os.environ.get("TILEPILOT_CACHE", Path.home() / ".cache" / "tilepilot" / device))
-    run = Run(device, mx, env, pattern, workers or max(1, (os.cpu_count() or 2)), trials, cache, cold)
+    timeout = float(os.environ.get("TILEPILOT_CASE_TIMEOUT", "600"))
+    run = Run(device, mx, env, pattern, workers or max(1, (os.cpu_count() or 2)), trials, cache, cold, timeout)
     run.on_gpu, run.compile_only = on_gpu and not compile_only, compile_only
     run.unpinned, run.allow_unpinned = unpinned, allow_unpinned
     pins = (
@@ -747,11 +748,9 @@ def pilot(
     say(f"done in {run.timings['total_s']:.0f}s: " + ", ".join(f"{k}={v:.0f}" for k, v in run.timings.items()))
     say(f"record: {_rel(run.dir)}")
     if run.on_gpu:
-        from tilepilot import history
-
-        say(f"asv results: {_rel(history.ASV_RESULTS / run.machine)}")
+        say(f"asv results: {_rel(paths.current().asv / run.machine)}")
         if publish:
-            say(f"pages: {_rel(history.HTML)} (`nox -s publish` rebuilds them)")
+            say(f"pages: {_rel(paths.current().html)} (`nox -s publish` rebuilds them)")
     say(f"log: {_rel(run.log)}")
     if failures:
         for why in failures:

@@ -16,12 +16,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tilepilot import paths
 from tilepilot.errors import UserError
 
-ROOT = Path(__file__).resolve().parent.parent
-# TILEPILOT_RESULTS points the whole history elsewhere (tests use a copy; merges use a staging tree).
-RESULTS = Path(os.environ.get("TILEPILOT_RESULTS", ROOT / "results"))
-RECORDS = RESULTS / "records"
+ROOT = paths.ROOT
+# The results tree is paths.current().results: TILEPILOT_RESULTS points the whole history elsewhere
+# (tests use a copy; merges use a staging tree), read when a command runs.
 SCHEMA = 1
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
@@ -31,8 +31,8 @@ def run_id() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
 
-def run_dir(machine: str, commit: str, rid: str, root: Path = RECORDS) -> Path:
-    return root / machine / commit / rid
+def run_dir(machine: str, commit: str, rid: str, root: Path | None = None) -> Path:
+    return (root or paths.current().records) / machine / commit / rid
 
 
 # A list of numbers that indent=1 spread over one line per item (the samples: up to a thousand a
@@ -83,10 +83,10 @@ def read_json(path: Path, kind: str) -> dict[str, Any]:
     return data
 
 
-def runs_for(machine: str, commit: str, root: Path = RECORDS) -> list[Path]:
+def runs_for(machine: str, commit: str, root: Path | None = None) -> list[Path]:
     """Run folders for this machine and commit, newest first. A dot-name is no run: it is a writer's
     temporary (a merge in progress or killed), never a result."""
-    base = root / machine / commit
+    base = (root or paths.current().records) / machine / commit
     if not base.is_dir():
         return []
     return sorted((p for p in base.iterdir() if p.is_dir() and not p.name.startswith(".")), reverse=True)

@@ -25,14 +25,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tilepilot import envinfo, record, registry
+from tilepilot import envinfo, paths, record, registry
 from tilepilot.cases import Case
 
 KINDS = ("compile", "wrong", "crash", "hang")
 
 
 def repro_dir(device: str, case_id: str, root: Path | None = None) -> Path:
-    return (root or record.RESULTS / "repro") / device / case_id.replace("/", "__")
+    return (root or paths.current().results / "repro") / device / case_id.replace("/", "__")
 
 
 def dims_space(case: Case) -> list[str]:

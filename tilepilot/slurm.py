@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -24,12 +23,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tilepilot import cases, envinfo, matrix, quoting, record
+from tilepilot import cases, envinfo, matrix, paths, quoting, record
 from tilepilot.errors import UserError
 
 ROOT = record.ROOT
 TEMPLATES = Path(__file__).resolve().parent / "templates"
-WORKDIR = Path(os.environ.get("TILEPILOT_JOBS", ROOT / "jobs"))
 DONE = {
     "COMPLETED",
     "FAILED",
@@ -129,7 +127,7 @@ def submit(
     devices: list[str],
     matrix_path: Path,
     *,
-    workdir: Path = WORKDIR,
+    workdir: Path | None = None,
     python: str = sys.executable,
     pilot_args: list[str] | None = None,
     gate_partition: str = "",
@@ -151,7 +149,7 @@ def submit(
         raise UserError("sbatch: not found on PATH; the Slurm engine needs a Slurm client (Debian: slurm-client)")
     git = envinfo.git()
     commit = git["commit"] or "uncommitted"
-    sid, sdir = _new_dir(workdir.resolve())
+    sid, sdir = _new_dir((workdir or paths.current().jobs).resolve())
     sub: dict[str, Any] = {
         "kind": "submission",
         "schema": record.SCHEMA,
@@ -161,7 +159,7 @@ def submit(
         "dirty": git["dirty"],
         "matrix": str(matrix_path),
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "into": str(record.RESULTS.resolve()),
+        "into": str(paths.current().results.resolve()),
         "on_duplicate": on_duplicate,
         "devices": {},
         "complete": True,
@@ -188,7 +186,7 @@ def submit(
                 into=sub["into"],
                 partition=gate_partition,
                 jobs=[v["job"] for v in sub["devices"].values()],
-                html=str(Path(os.environ.get("TILEPILOT_HTML", ROOT / "html")).resolve()),
+                html=str(paths.current().html.resolve()),
             ),
             encoding="utf-8",
         )
@@ -258,8 +256,9 @@ def job_state(job: str, stage: Path | None = None) -> dict[str, str]:
     }
 
 
-def load_submission(ref: str | None, workdir: Path = WORKDIR) -> tuple[Path, dict[str, Any]]:
-    """A submission by folder, by id under workdir, or the newest one."""
+def load_submission(ref: str | None, workdir: Path | None = None) -> tuple[Path, dict[str, Any]]:
+    """A submission by folder, by id under workdir (default: the jobs folder), or the newest one."""
+    workdir = workdir or paths.current().jobs
     if ref and Path(ref).is_dir():
         sdir = Path(ref)
     elif ref:
@@ -286,7 +285,7 @@ def states(sub: dict[str, Any]) -> dict[str, dict[str, str]]:
     return out
 
 
-def status(ref: str | None, workdir: Path = WORKDIR) -> int:
+def status(ref: str | None, workdir: Path | None = None) -> int:
     from tabulate import tabulate
 
     sdir, sub = load_submission(ref, workdir)

@@ -5,7 +5,7 @@
 For each representative case whose pinned config passes correctness, TileLang's AutoTuner searches
 the `[<op>.tune]` space of kernels/configs/<device>.toml (every knob not named keeps the pinned
 value). The winner is checked for correctness on every trial, then timed against the pinned config
-and the framework op with tilepilot.measure (the pilot's method, in one alternating session). Only a
+and the framework op with tilepilot.timing (the pilot's method, in one alternating session). Only a
 winner at least MIN_GAIN faster than the pinned config is pinned, into configs/tuned/<device>.toml,
 with its gain, the card, the date and the commit. Shipping decisions stay with the config's rules.
 The whole search is recorded in results/tune/<machine>/<run>-<op>.json.
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tilepilot import build, cases, envinfo, matrix, record, registry
+from tilepilot import build, cases, envinfo, matrix, paths, record, registry
 from tilepilot.errors import UserError
 
 MIN_GAIN = 1.02  # below this, a "win" is within the run-to-run noise of a power-capped card
@@ -77,8 +77,8 @@ def _autotune(case: cases.Case, device: str, configs: list[dict[str, Any]], base
 
 def evaluate(case: cases.Case, device: str, cfg: dict[str, Any], flush: Any, clocks: Any) -> dict[str, Any]:
     """A candidate config for one case: correctness on every trial, then timed against the pinned
-    config and the framework op in one alternating session (tilepilot.measure, the pilot's method)."""
-    from tilepilot import correctness, measure
+    config and the framework op in one alternating session (tilepilot.timing, the pilot's method)."""
+    from tilepilot import correctness, timing
 
     op = registry.of(case)
     pinned_cfg = build.choice(case, device).config
@@ -94,7 +94,7 @@ def evaluate(case: cases.Case, device: str, cfg: dict[str, Any], flush: Any, clo
         return row
     inputs = correctness.make_inputs(case, 0)
     dst = correctness.output_like(case, inputs)
-    timed = measure.sample_many(
+    timed = timing.sample_many(
         {
             "pinned": lambda: op.launch(pinned, inputs, dst),
             "winner": lambda: op.launch(winner, inputs, dst),
@@ -185,7 +185,7 @@ def write_tuned(device: str, entries: dict[str, list[dict[str, Any]]], path: Pat
 def tune(device: str, ops: list[str], pattern: str | None, budget_s: float, matrix_path: Path | None = None) -> int:
     from tabulate import tabulate
 
-    mx = matrix.load(matrix_path or matrix.DEFAULT_PATH)
+    mx = matrix.load(matrix_path)
     mx.device(device)
     env = envinfo.capture()
     if envinfo.device_of_gpu(env["gpu"]) != device:
@@ -194,7 +194,7 @@ def tune(device: str, ops: list[str], pattern: str | None, budget_s: float, matr
             f"tune needs a {device} GPU here (found: {have}); autotuning measures, it cannot run compile-only"
         )
     from kernels import _config
-    from tilepilot import measure
+    from tilepilot import timing
 
     sel = [c for c in cases.expand(mx, pattern) if c.group == "representative" and c.op in ops]
     if not sel:
@@ -203,7 +203,7 @@ def tune(device: str, ops: list[str], pattern: str | None, budget_s: float, matr
     groups: dict[tuple[str, str, str], list[cases.Case]] = {}
     for c in sel:
         groups.setdefault((c.op, c.shape_id, c.variant), []).append(c)
-    flush, clocks = measure.L2Flush(), measure.Clocks()
+    flush, clocks = timing.L2Flush(), timing.Clocks()
     from tilepilot.pilot import machine_name
 
     machine = machine_name(device, env["gpu"], True)
@@ -245,7 +245,7 @@ def tune(device: str, ops: list[str], pattern: str | None, budget_s: float, matr
             )
     for op in ops:
         record.write_json(
-            record.RESULTS / "tune" / machine / f"{rid}-{op}.json",
+            paths.current().results / "tune" / machine / f"{rid}-{op}.json",
             {
                 "kind": "tune",
                 "schema": record.SCHEMA,
