@@ -91,7 +91,9 @@ def _dispatch_run(op: Any, kind: str, device: str) -> Callable[[str], tuple[Any,
         if kind == "config-framework":
             with kernels.use_backend("framework"):
                 choice = _config.choose(device, op.name, op.facts(case))
-                reason = f"config: {choice.reason}" if choice else f"unsupported device: no {op.name} config for {device}"
+                reason = (
+                    f"config: {choice.reason}" if choice else f"unsupported device: no {op.name} config for {device}"
+                )
                 return op.public(case, inputs, out), want, {reason: 1}
         if kind == "compile-failed":
             with kernels.use_backend("tilelang"), _dispatch.failing_compiles(COMPILE_FAILURE):
@@ -113,7 +115,7 @@ def checks(names: list[str], device: str) -> list[Check]:
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}".splitlines()[0]
 
-            def broken(where: str, why: str = why) -> tuple[Any, Any, dict[str, int]]:
+            def broken(where: str, why: str = why, name: str = name) -> tuple[Any, Any, dict[str, int]]:
                 raise RuntimeError(f"the {name} harness cannot list its forced-fallback checks: {why}")
 
             out.append(Check(name, "harness", "cpu", broken))
@@ -192,7 +194,10 @@ def tilelang_missing(names: list[str], timeout_s: float = 600) -> dict[str, dict
         rows: dict[str, dict[str, Any]] = json.loads(lines[-1].removeprefix("TILEPILOT-ROWS "))
         return rows
     why = "timed out" if proc is None else f"exit {proc.returncode}: {(proc.stderr.strip().splitlines() or [''])[-1]}"
-    return {n: Check(n, "tilelang-missing", "cuda").row("failed", f"the child without TileLang failed ({why})") for n in names}
+    return {
+        n: Check(n, "tilelang-missing", "cuda").row("failed", f"the child without TileLang failed ({why})")
+        for n in names
+    }
 
 
 def on_gpu(device: str) -> bool:
@@ -201,7 +206,9 @@ def on_gpu(device: str) -> bool:
     return envinfo.device_of_gpu(envinfo.gpu()) == device
 
 
-def iterate(names: list[str], device: str, gpu: bool, skip: set[str] = frozenset()) -> Iterator[tuple[Check, Callable[[], dict[str, Any]]]]:  # type: ignore[assignment]
+def iterate(
+    names: list[str], device: str, gpu: bool, skip: frozenset[str] | set[str] = frozenset()
+) -> Iterator[tuple[Check, Callable[[], dict[str, Any]]]]:
     """(check, how to run it) for every check not in `skip`; the TileLang-missing checks run
     together, the first time one is asked for."""
     missing: dict[str, dict[str, Any]] | None = None
@@ -223,7 +230,9 @@ def iterate(names: list[str], device: str, gpu: bool, skip: set[str] = frozenset
             yield check, lambda c=check: _one(c)  # type: ignore[misc]
 
 
-def run_checks(names: list[str], device: str, gpu: bool | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def run_checks(
+    names: list[str], device: str, gpu: bool | None = None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The step in this process: (expected rows, result rows)."""
     gpu = on_gpu(device) if gpu is None else gpu
     expected, results = [], []

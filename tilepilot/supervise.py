@@ -82,7 +82,7 @@ def run_one(
     timeout_s: float,
     env: dict[str, str],
     got: Supervised,
-    watch: Callable[[str | None, float], None] | None = None,
+    watch: Callable[[str | None, float, Supervised], None] | None = None,
 ) -> tuple[str | None, str]:
     """One child: cmd[fd_slot] is replaced with the report fd's number. Returns (the item it died
     or hung on, how), or (None, "") when it ended between items."""
@@ -114,7 +114,7 @@ def run_one(
         elif event:
             got.messages.append(event)
         if watch is not None:
-            watch(current, time.monotonic() - since)
+            watch(current, time.monotonic() - since, got)
         if current is not None and time.monotonic() - since > timeout_s:
             hung = f"hung: no result after {timeout_s:.0f}s; the process was killed"
             os.killpg(proc.pid, signal.SIGKILL)
@@ -137,7 +137,7 @@ def supervise(
     ids: list[str] | None,
     timeout_s: float,
     env: dict[str, str],
-    watch: Callable[[str | None, float], None] | None = None,
+    watch: Callable[[str | None, float, Supervised], None] | None = None,
     on_dead: Callable[[str, str], None] | None = None,
 ) -> Supervised:
     """Run children until every item has a result or took a child down. `command(done, attempt)`
