@@ -8,9 +8,11 @@ and the case):
   a GPU named in the device's `gpu_names`, a clean tree, no injected faults, not a partial (--cases)
   run, the pinned stack, and a pilot that did not report failure;
 - every case the matrix expects, for every operator and the model block: correctness with the
-  configured number of trials (at least one), the TileLang kernel's own check passed, the pytest run
-  that checked them exited 0; a measurement with finite values of the right types; the objective met
-  where a kernel ships;
+  configured number of trials (at least one), the TileLang kernel's own check passed, the run that
+  checked them finished (an old run's pytest exited 0); a measurement with finite values of the
+  right types; the objective met where a kernel ships;
+- the forced-fallback checks (fallback.json, this run's): every operator's, each passed, and on the
+  GPU too (an old run without one: its pytest forced-fallback tests, from correctness.json);
 - asv results of the commit that exist and agree with the record they came from (the same medians,
   within the 10 ns the suite rounds samples to), in a machine folder whose GPU is the device's;
 - a regression check against the previous measured commit (git ancestry) for every case; a check that
