@@ -17,7 +17,6 @@ Units say what a value measures; the README lists every name.
 from __future__ import annotations
 
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -46,15 +45,12 @@ def _measure_to_folder() -> str:
     import time
 
     started = time.perf_counter()  # before torch's import: a measurement without asv pays that too
+    from tilepilot import context
     from tilepilot.measure import measure_all
 
-    run_dir = os.environ.get("TILEPILOT_RUN_DIR")
-    data = measure_all(
-        os.environ.get("TILEPILOT_DEVICE", "sm90"),
-        os.environ.get("TILEPILOT_CASES") or None,
-        Path(run_dir) if run_dir else None,
-        started=started,
-    )
+    # The run crosses into asv as one file, named by TILEPILOT_CONTEXT (no default: a clear error).
+    ctx = context.from_env()
+    data = measure_all(ctx.device, ctx.pattern, Path(ctx.run_dir), started=started)
     # asv runs setup_cache in its own scratch folder and removes it after the run.
     where = Path(tempfile.mkdtemp(prefix="cases-", dir=Path.cwd()))
     for part in data.values():

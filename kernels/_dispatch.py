@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -20,6 +22,18 @@ class CompileFailed(RuntimeError):
 
 _built: dict[tuple[Any, ...], Any] = {}
 _failed: dict[tuple[Any, ...], str] = {}
+_failing: contextvars.ContextVar[str | None] = contextvars.ContextVar("kernels_failing_compiles", default=None)
+
+
+@contextlib.contextmanager
+def failing_compiles(message: str) -> Iterator[None]:
+    """Inside the block every compile fails with `message` (a forced fallback: the fallback step's
+    compile-failure check), before the memo is asked and without entering it."""
+    token = _failing.set(message)
+    try:
+        yield
+    finally:
+        _failing.reset(token)
 
 
 @functools.cache
@@ -59,6 +73,8 @@ def compile_kernel(
     key: tuple[Any, ...], program: Callable[[], Any], target: dict[str, str], passes: dict[str, Any] | None = None
 ) -> Any:
     """Compile once per key and process; TileLang's disk cache makes later processes warm."""
+    if (forced := _failing.get()) is not None:
+        raise CompileFailed(forced)
     with _lock:
         if key in _built:
             return _built[key]

@@ -1,36 +1,45 @@
-"""The fallback is part of the kernel. Each reason is forced in turn; the call must return the
-framework op's result bit for bit and record why (once per reason, counted, queryable).
-
-Reasons that sit in front of the device check (dtype, shape, mask, CPU tensors) go through the public
-API on every machine. The ones behind it (TileLang missing, a compile error, the config choosing the
-framework) need a device: they run through the public API on a GPU with a pinned config and, on
-every machine, through the dispatch layer with the device named, which is the same code path from
-the device check on.
+"""The forced-fallback step (tilepilot.fallback) as the project's own tests: run in this process on
+the CPU, it passes every cpu check of every operator and records every check it was to run, the
+cuda ones skipped with their reason where there is no GPU; a check whose expectation is wrong is
+reported failed, never passed. On a GPU with a pinned config, every cuda check passes too. And the
+config rules and the reasons' bookkeeping the checks rely on.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-import json
 import logging
-import os
-import subprocess
-import sys
-import textwrap
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import kernels
-from kernels import _config, _dispatch, operator_module
+from kernels import _config, _dispatch
+from tilepilot import fallback, registry
 
-ROOT = Path(__file__).resolve().parent.parent
 GPU = torch.cuda.is_available() and _config.device_for_capability(*torch.cuda.get_device_capability()) is not None
-WHERE = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not GPU, reason="no GPU with a pinned config"))]
+DEVICE = _config.device_for_capability(*torch.cuda.get_device_capability()) if GPU else "sm90"
+
+
+def _kernel_missing(name: str) -> str | None:
+    """Why an operator's kernel package cannot be imported yet (kernels/decode is being written), or None."""
+    if not (registry.KERNELS / name / "__init__.py").exists():
+        return f"no kernels/{name}/__init__.py yet"
+    try:
+        importlib.import_module(f"kernels.{name}")
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+OPERATORS = [
+    pytest.param(n, marks=pytest.mark.skipif(bool(why), reason=f"kernels.{n} does not import: {why}"))
+    for n in registry.names()
+    for why in [_kernel_missing(n)]
+]
 
 
 @pytest.fixture(autouse=True)
@@ -45,55 +54,90 @@ def rand(*shape: int, dtype: torch.dtype = torch.float16, device: str = "cpu") -
     return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype).to(device)
 
 
-def only_reason(op: str) -> str:
-    (reason,) = kernels.fallback_reasons(op)
-    return reason
+@pytest.mark.parametrize("name", OPERATORS)
+def test_the_step_passes_every_cpu_check(name: str) -> None:
+    expected, results = fallback.run_checks([name], DEVICE, gpu=False)
+    assert [e["id"] for e in expected] == [r["id"] for r in results]
+    op = registry.get(name)
+    want = {f"{name}/{p.name}/{w}" for p in op.probes() for w in fallback.WHERE}
+    want |= {f"{name}/{k}/{'cpu' if k == 'cpu-tensors' else 'cuda'}" for k in fallback.DISPATCH}
+    assert {e["id"] for e in expected} == want  # every probe on both, every dispatch reason
+    for r in results:
+        if r["where"] == "cpu":
+            assert r["outcome"] == "passed", r
+        else:  # no GPU asked for: skipped with the reason, never passed
+            assert r["outcome"] == "skipped" and r["why"] == f"no {DEVICE} GPU", r
 
 
-# -- in front of the device check: the public API, on every machine -----------------------------
+@pytest.mark.skipif(not GPU, reason="no GPU with a pinned config")
+@pytest.mark.parametrize("name", OPERATORS)
+def test_the_step_passes_every_check_on_the_gpu(name: str) -> None:
+    expected, results = fallback.run_checks([name], DEVICE, gpu=True)
+    assert len(expected) == len(results) and any(r["where"] == "cuda" for r in results)
+    bad = [r for r in results if r["outcome"] != "passed"]
+    assert not bad, bad
 
 
-@pytest.mark.parametrize("where", WHERE)
-def test_unsupported_dtype(where: str) -> None:
-    a, b = rand(64, 96, dtype=torch.float32, device=where), rand(32, 96, dtype=torch.float32, device=where)
-    assert torch.equal(kernels.gemm(a, b, trans_b=True), torch.matmul(a, b.t()))
-    assert only_reason("gemm") == "unsupported dtype: torch.float32 x torch.float32"
-    q = rand(1, 2, 16, 64, dtype=torch.float32, device=where)
-    assert torch.equal(kernels.attention(q, q, q), F.scaled_dot_product_attention(q, q, q))
-    assert only_reason("attention") == "unsupported dtype: torch.float32"
+def _gemm_probe(**change: Any) -> fallback.Check:
+    (probe,) = [p for p in registry.get("gemm").probes() if p.name == "unsupported-dtype"]
+    return fallback.Check("gemm", probe.name, "cpu", fallback._probe_run(dataclasses.replace(probe, **change)))
 
 
-@pytest.mark.parametrize("where", WHERE)
-def test_unsupported_shape(where: str) -> None:
-    a, b = rand(2, 64, 96, device=where), rand(96, 32, device=where)
-    assert torch.equal(kernels.gemm(a, b), torch.matmul(a, b))
-    assert only_reason("gemm") == "unsupported shape: 3-d x 2-d (2-d only)"
-    q = rand(1, 2, 16, 80, device=where)  # head_dim 80: neither 64 nor 128
-    assert torch.equal(kernels.attention(q, q, q, causal=True), F.scaled_dot_product_attention(q, q, q, is_causal=True))
-    assert only_reason("attention") == "unsupported shape: head_dim 80 (supported: (64, 128))"
+def test_a_check_whose_expectation_is_wrong_fails() -> None:
+    assert fallback._one(_gemm_probe())["outcome"] == "passed"
+    wrong_reason = fallback._one(_gemm_probe(reason="unsupported dtype: something else"))
+    assert (
+        wrong_reason["outcome"] == "failed"
+        and "expected {'unsupported dtype: something else': 1}" in (wrong_reason["why"])
+    )
+
+    def off_by_one(where: str) -> tuple[torch.Tensor, torch.Tensor]:
+        a = rand(8, 8, dtype=torch.float32, device=where)
+        return kernels.gemm(a, a), torch.matmul(a, a) + 1
+
+    differs = fallback._one(_gemm_probe(run=off_by_one))
+    assert differs["outcome"] == "failed" and "bit for bit" in differs["why"]
+
+    def raises(where: str) -> tuple[torch.Tensor, torch.Tensor]:
+        raise RuntimeError("the probe itself broke")
+
+    broke = fallback._one(_gemm_probe(run=raises))
+    assert broke == {**broke, "outcome": "failed", "why": "RuntimeError: the probe itself broke"}
 
 
-@pytest.mark.parametrize("where", WHERE)
-def test_unsupported_mask(where: str) -> None:
-    q = rand(1, 2, 8, 64, device=where)
-    mask = torch.ones(8, 8, dtype=torch.bool, device=where).tril()
-    out = torch.full_like(q, float("nan"))
-    got = kernels.attention(q, q, q, attn_mask=mask, out=out)
-    assert got is out and torch.equal(out, F.scaled_dot_product_attention(q, q, q, attn_mask=mask))
-    assert only_reason("attention") == "unsupported mask: explicit attn_mask (only none and causal)"
+def test_a_harness_that_cannot_list_its_checks_is_one_failed_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    op = registry.get("gemm")
+
+    def no_probes() -> list[Any]:
+        raise ImportError("kernels.gemm is half-written")
+
+    monkeypatch.setattr(op, "probes", no_probes)
+    expected, results = fallback.run_checks(["gemm"], DEVICE, gpu=False)
+    assert [e["id"] for e in expected] == [r["id"] for r in results] == ["gemm/harness/cpu"] and results[0][
+        "outcome"
+    ] == "failed"
+    assert "kernels.gemm is half-written" in results[0]["why"]
 
 
-@pytest.mark.parametrize("trans_b", [True, False])
-def test_cpu_tensors(trans_b: bool) -> None:
-    a = rand(33, 65, dtype=torch.bfloat16)
-    b = rand(17, 65, dtype=torch.bfloat16) if trans_b else rand(65, 17, dtype=torch.bfloat16)
-    assert torch.equal(kernels.gemm(a, b, trans_b=trans_b), torch.matmul(a, b.t() if trans_b else b))
-    assert kernels.fallback_reasons("gemm") == {"unsupported device: cpu tensors": 1}
-    q, k, v = rand(1, 4, 9, 64), rand(1, 2, 11, 64), rand(1, 2, 11, 64)
-    out = torch.full_like(q, float("nan"))
-    assert kernels.attention(q, k, v, causal=True, out=out) is out
-    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
-    assert list(kernels.fallback_reasons("attention")) == ["unsupported device: cpu tensors"]
+def test_a_forced_compile_failure_falls_back_without_entering_the_memo() -> None:
+    """failing_compiles: the dispatch layer with the device named, as on the GPU from the device check on."""
+    a, b = rand(256, 192), rand(128, 192)
+    gemm = importlib.import_module("kernels.gemm")
+
+    def launch(cfg: dict[str, Any], dev: str) -> torch.Tensor:
+        kernel = gemm.build(256, 128, 192, "nt", "float16", dev, cfg)
+        c = torch.empty(256, 128, dtype=a.dtype)
+        kernel(a, b, c)
+        return c
+
+    facts = gemm.facts(256, 128, 192, "nt", "float16")
+    before = dict(_dispatch._failed)
+    with kernels.use_backend("tilelang"), _dispatch.failing_compiles("injected"):
+        for _ in range(2):
+            got = _dispatch.run_or_fallback("gemm", "sm90", "", facts, launch, lambda: torch.matmul(a, b.t()), None)
+            assert torch.equal(got, torch.matmul(a, b.t()))
+    assert kernels.fallback_reasons("gemm") == {"compile failed: injected": 2}
+    assert _dispatch._failed == before
 
 
 def test_reason_logged_once_and_counted(caplog: pytest.LogCaptureFixture) -> None:
@@ -103,103 +147,6 @@ def test_reason_logged_once_and_counted(caplog: pytest.LogCaptureFixture) -> Non
             kernels.gemm(a, b)
     assert kernels.fallback_reasons() == {"gemm: unsupported device: cpu tensors": 3}
     assert sum("cpu tensors" in r.getMessage() for r in caplog.records) == 1
-
-
-# -- behind the device check ---------------------------------------------------------------------
-
-# Llama-3-8B's o-projection, which sm90's config keeps on torch.matmul.
-GEMM = {"m": 256, "n": 128, "k": 192, "layout": "nt", "dtype": "float16"}
-
-
-def _gemm_inputs(where: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return rand(GEMM["m"], GEMM["k"], device=where), rand(GEMM["n"], GEMM["k"], device=where)
-
-
-def _dispatch_gemm(a: torch.Tensor, b: torch.Tensor, device: str) -> torch.Tensor:
-    """kernels.gemm from the device check on, with the device named instead of read off the tensors."""
-    mod = operator_module("gemm")
-
-    def launch(cfg: dict[str, Any], dev: str) -> torch.Tensor:
-        kernel = mod.build(**{k: GEMM[k] for k in ("m", "n", "k", "layout", "dtype")}, device=dev, cfg=cfg)
-        c = torch.empty(GEMM["m"], GEMM["n"], dtype=a.dtype, device=a.device)
-        kernel(a, b, c)
-        return c
-
-    return _dispatch.run_or_fallback(
-        "gemm", device, "", mod.facts(**GEMM), launch, lambda: torch.matmul(a, b.t()), None
-    )
-
-
-def _call(where: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return kernels.gemm(a, b, trans_b=True) if where == "cuda" else _dispatch_gemm(a, b, "sm90")
-
-
-@pytest.mark.parametrize("where", WHERE)
-def test_config_chooses_framework(where: str) -> None:
-    a, b = _gemm_inputs(where)
-    assert torch.equal(_call(where, a, b), torch.matmul(a, b.t()))
-    reason = only_reason("gemm")
-    assert reason.startswith("config: ") and "torch.matmul measured faster" in reason
-
-
-@pytest.fixture
-def broken_gemm_program(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """An injected compile error: a gemm program whose tiles disagree on K, which TileLang rejects."""
-    mod = operator_module("gemm")
-
-    from broken_kernels import gemm_program
-
-    monkeypatch.setattr(mod, "program", gemm_program)
-    memo = dict(_dispatch._built), dict(_dispatch._failed)
-    _dispatch._built.clear()
-    _dispatch._failed.clear()
-    yield
-    _dispatch._built.clear()
-    _dispatch._failed.clear()
-    _dispatch._built.update(memo[0])
-    _dispatch._failed.update(memo[1])
-
-
-@pytest.mark.parametrize("where", WHERE)
-def test_injected_compile_error(where: str, broken_gemm_program: None) -> None:
-    a, b = _gemm_inputs(where)
-    with kernels.use_backend("tilelang"):  # past the config's framework rule, into the compile
-        got = _call(where, a, b)
-        again = _call(where, a, b)  # memoized: the failure is not paid twice
-    assert torch.equal(got, torch.matmul(a, b.t())) and torch.equal(again, got)
-    assert kernels.fallback_reasons("gemm") == {
-        "compile failed: AssertionError: T.gemm K shape check failed: K_A = 32, K_B = 48": 2
-    }
-
-
-@pytest.mark.parametrize("where", WHERE)
-def test_tilelang_fails_to_import(where: str, tmp_path: Path) -> None:
-    """A fresh interpreter where `import tilelang` raises, as a broken install or missing wheel does."""
-    shadow = tmp_path / "shadow" / "tilelang"
-    shadow.mkdir(parents=True)
-    (shadow / "__init__.py").write_text("raise ImportError('injected: libtvm.so: cannot open shared object file')\n")
-    script = textwrap.dedent(f"""
-        import json, sys
-        sys.path.insert(0, {str(tmp_path / "shadow")!r})
-        import torch, kernels
-        sys.path.insert(0, {str(ROOT / "tests")!r})
-        from test_fallback import _call, _gemm_inputs
-        a, b = _gemm_inputs({where!r})
-        with kernels.use_backend("tilelang"):
-            got = _call({where!r}, a, b)
-        print(json.dumps({{"equal": bool(torch.equal(got, torch.matmul(a, b.t()))),
-                          "reasons": kernels.fallback_reasons("gemm")}}))
-    """)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=ROOT, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert res == {
-        "equal": True,
-        "reasons": {"tilelang missing: ImportError: injected: libtvm.so: cannot open shared object file": 1},
-    }
 
 
 def test_use_backend_rejects_unknown_names() -> None:

@@ -534,6 +534,86 @@ def test_every_forced_fallback_test_must_have_run_on_the_gpu(tree: Path, tmp_pat
     )
 
 
+def new_format(tree: Path) -> Path:
+    """The run as the pilot writes it now: correctness.json without pytest's `tests` and exit status
+    (its supervised children instead), and the forced-fallback checks in their own fallback.json, every
+    check of every matrix operator passed on the CPU and the GPU. Returns the run folder."""
+    from tilepilot import matrix
+
+    rdir = run_dir(tree)
+    corr = json.loads((rdir / "correctness.json").read_text())
+    head = {k: v for k, v in corr.items() if k not in ("cases", "tests", "pytest_exit", "restarts", "kind")}
+    checks = (
+        ("unsupported-dtype", "cpu"),
+        ("unsupported-dtype", "cuda"),
+        ("cpu-tensors", "cpu"),
+        ("compile-failed", "cuda"),
+    )
+    expected = [
+        {"id": f"{op}/{probe}/{where}", "operator": op, "probe": probe, "where": where}
+        for op in matrix.load().operators
+        for probe, where in checks
+    ]
+    record = {
+        **head,
+        "kind": "fallback",
+        "expected": expected,
+        "results": [{**e, "outcome": "passed"} for e in expected],
+        "children": [{"exit": 0, "how": "finished"}],
+    }
+    (rdir / "fallback.json").write_text(json.dumps(record))
+
+    def change(d: Any) -> None:
+        del d["tests"], d["pytest_exit"]
+        d["children"] = [{"exit": 0, "how": "finished"}]
+
+    edit(rdir / "correctness.json", change)
+    return rdir
+
+
+def _fallback_verdict(tmp_path: Path) -> dict[str, Any]:
+    (device,) = [d for d in json.loads((tmp_path / "gate" / "gate.json").read_text())["devices"] if "fallback" in d]
+    return dict(device["fallback"])
+
+
+def test_a_new_run_is_judged_by_its_fallback_record(tree: Path, tmp_path: Path) -> None:
+    rdir = new_format(tree)
+    gate(tree, tmp_path)
+    verdict = _fallback_verdict(tmp_path)
+    assert verdict["status"] == "PASS", verdict
+    assert verdict["summary"].startswith("yes (")
+    # A failed row, a skipped GPU row and an operator with no checks: each fails, by name.
+    expected = json.loads((rdir / "fallback.json").read_text())["expected"]
+    first_op = expected[0]["operator"]
+
+    def change(d: Any) -> None:
+        d["results"][1].update(outcome="failed", why="fallback reasons {}, expected {'x': 1}")
+        d["results"][3].update(outcome="skipped", why="no sm90 GPU")
+        d["expected"] = [e for e in d["expected"] if e["operator"] != "attention"]
+
+    edit(rdir / "fallback.json", change)
+    fails(
+        gate(tree, tmp_path),
+        f"fallback: {first_op}/unsupported-dtype/cuda failed: fallback reasons {{}}, expected {{'x': 1}}",
+        f"fallback: {first_op}/compile-failed/cuda skipped",
+        "no forced-fallback check of attention was expected",
+    )
+
+
+def test_a_new_run_without_its_fallback_record_fails(tree: Path, tmp_path: Path) -> None:
+    rdir = new_format(tree)
+    (rdir / "fallback.json").unlink()
+    fails(gate(tree, tmp_path), "fallback.json: missing", "fallback: no readable fallback.json")
+
+
+def test_a_fallback_record_of_another_run_or_unfinished_fails(tree: Path, tmp_path: Path) -> None:
+    rdir = new_format(tree)
+    edit(rdir / "fallback.json", lambda d: d.update(commit="0" * 40, complete=False))
+    fails(gate(tree, tmp_path), "fallback.json: complete: value error, the writer did not finish this record")
+    edit(rdir / "fallback.json", lambda d: d.update(complete=True))
+    fails(gate(tree, tmp_path), "fallback.json: commit '0000000000000000000000000000000000000000'")
+
+
 def test_shipped_kernel_with_no_config_and_a_trial_beyond_tolerance_fail(tree: Path, tmp_path: Path) -> None:
     edit(
         run_dir(tree) / "build.json",

@@ -1,5 +1,10 @@
 """Step 4: correctness of one case through the public kernel API, as model code would call it.
 
+The pilot runs it as a supervised child, `python -m tilepilot.correctness CONTEXT --report-fd N`
+(tilepilot.supervise): the run context names the device, the trials and the cases; each case is
+announced before it runs and its row reported after. Without the device's GPU every case is
+recorded as skipped with the reason (a skip is never a pass).
+
 Fresh seeded random inputs per trial (never zeros), a NaN-poisoned output that must be fully
 written, and the operator's reference in higher precision (its harness's `exact`). A case must stay
 under both bounds: relative Frobenius error and elementwise isclose.
@@ -7,7 +12,9 @@ under both bounds: relative Frobenius error and elementwise isclose.
 
 from __future__ import annotations
 
+import argparse
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -130,3 +137,45 @@ def check_case(case: Case, device: str, trials: int = 3) -> dict[str, Any]:
         "trials": results,
         "seconds": time.perf_counter() - t0,
     }
+
+
+def run_cases(ctx: Any, send: Any) -> None:
+    """The child's loop over the context's cases: announce, inject (the supervision's own tests),
+    check on the device's GPU or skip, report."""
+    from tilepilot import cases, envinfo, inject, matrix
+
+    by_id = {c.id: c for c in cases.expand(matrix.load(ctx.matrix), None)}
+    unknown = [i for i in ctx.cases if i not in by_id]
+    if unknown:
+        raise SystemExit(f"{ctx.matrix}: no case {unknown[0]!r} (the run context names cases the matrix lacks)")
+    here = envinfo.device_of_gpu(envinfo.gpu())
+    for cid in ctx.cases:
+        case = by_id[cid]
+        send({"start": cid, "t": time.time()})
+        inject.harness_fault(cid)  # before the device check: a machine without the GPU tests the supervisor
+        row: dict[str, Any]
+        if here != ctx.device:
+            row = {"case": cid, "group": case.group, "status": "skipped", "why": f"no {ctx.device} GPU"}
+        else:
+            try:
+                row = check_case(case, ctx.device, trials=ctx.trials)
+            except Exception as exc:
+                why = "".join(traceback.format_exception(exc))[-2000:]
+                row = {"case": cid, "group": case.group, "status": "error", "why": why}
+        send({"result": {"id": cid, **row}})
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tilepilot import context, supervise
+
+    p = argparse.ArgumentParser(prog="python -m tilepilot.correctness", description=__doc__.splitlines()[0])
+    p.add_argument("context", help="the run context file (tilepilot.context)")
+    p.add_argument("--report-fd", type=int, required=True, help="the pipe to the supervisor")
+    args = p.parse_args(argv)
+    send = supervise.report(args.report_fd)
+    run_cases(context.read(args.context), send)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -248,11 +248,38 @@ class TestOutcome(_View):
     outcome: Literal["passed", "failed", "skipped", "error"]
 
 
+class Child(_View):
+    """How one supervised child of a step ended (tilepilot.supervise)."""
+
+    exit: int
+    how: str
+    item: str | None = None  # the case or check it died or hung on
+
+
 class CorrectnessRecord(Header):
     kind: Literal["correctness"]
     cases: list[CorrectnessRow]
-    tests: dict[str, TestOutcome] = {}
-    pytest_exit: int
+    tests: dict[str, TestOutcome] = {}  # old runs: pytest's other tests (the forced-fallback ones)
+    pytest_exit: int | None = None  # old runs: the pytest that ran the cases
+    children: list[Child] = []  # new runs: the supervised children that ran them
+
+
+class FallbackRow(_View):
+    """One forced-fallback check (tilepilot.fallback): as expected, and as it came out."""
+
+    id: str
+    operator: str
+    probe: str
+    where: Literal["cpu", "cuda"]
+    outcome: Literal["passed", "failed", "skipped"] | None = None
+    why: str = ""
+
+
+class FallbackRecord(Header):
+    kind: Literal["fallback"]
+    expected: list[FallbackRow]
+    results: list[FallbackRow]
+    children: list[Child] = []
 
 
 def _median_of_samples(side: Any) -> Any:

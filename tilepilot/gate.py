@@ -8,9 +8,11 @@ and the case):
   a GPU named in the device's `gpu_names`, a clean tree, no injected faults, not a partial (--cases)
   run, the pinned stack, and a pilot that did not report failure;
 - every case the matrix expects, for every operator and the model block: correctness with the
-  configured number of trials (at least one), the TileLang kernel's own check passed, the pytest run
-  that checked them exited 0; a measurement with finite values of the right types; the objective met
-  where a kernel ships;
+  configured number of trials (at least one), the TileLang kernel's own check passed, the run that
+  checked them finished (an old run's pytest exited 0); a measurement with finite values of the
+  right types; the objective met where a kernel ships;
+- the forced-fallback checks (fallback.json, this run's): every operator's, each passed, and on the
+  GPU too (an old run without one: its pytest forced-fallback tests, from correctness.json);
 - asv results of the commit that exist and agree with the record they came from (the same medians,
   within the 10 ns the suite rounds samples to), in a machine folder whose GPU is the device's;
 - a regression check against the previous measured commit (git ancestry) for every case; a check that
@@ -302,6 +304,8 @@ class Judged:
     run: evidence.RunRecord | None = None
     build: evidence.BuildRecord | None = None
     corr: evidence.CorrectnessRecord | None = None
+    fallback: evidence.FallbackRecord | None = None
+    legacy_fallback: bool = False  # an old run: the forced-fallback tests in correctness.json's `tests`
     measure: dict[str, tuple[Path, evidence.MeasureRecord | None]] = field(default_factory=dict)
     model: tuple[Path, evidence.ModelRecord | None] | None = None
     root: Path = Path()
@@ -347,7 +351,18 @@ def _load_run(
     j.run = load(evidence.RunRecord, "run.json")
     j.build = load(evidence.BuildRecord, "build.json")
     j.corr = load(evidence.CorrectnessRecord, "correctness.json")
-    for name, hdr in (("run.json", j.run), ("build.json", j.build), ("correctness.json", j.corr)):
+    # Old runs (pytest's) have no fallback.json: their forced-fallback tests are in correctness.json.
+    j.legacy_fallback = not os.path.lexists(run.dir / "fallback.json") and j.corr is not None and bool(j.corr.tests)
+    if not j.legacy_fallback:
+        j.fallback = load(evidence.FallbackRecord, "fallback.json")
+    headers: list[tuple[str, evidence.Header | None]] = [
+        ("run.json", j.run),
+        ("build.json", j.build),
+        ("correctness.json", j.corr),
+    ]
+    if not j.legacy_fallback:
+        headers.append(("fallback.json", j.fallback))
+    for name, hdr in headers:
         if hdr is not None:
             j.problems += [f"record: {p}" for p in _identity(hdr, run.dir / name, run, device, commit, dev)]
             j.problems += [f"stack: {run.dir / name}: {p}" for p in _stack_problems(dev, hdr.env)]
@@ -362,10 +377,18 @@ def _load_run(
             j.problems.append(
                 f"stack: the run was made with --allow-unpinned ({'; '.join(j.run.unpinned) or 'differences not recorded'})"
             )
-    if j.corr is not None and j.corr.pytest_exit != 0:
+    if j.corr is not None and j.corr.pytest_exit is not None and j.corr.pytest_exit != 0:
         j.problems.append(
             f"correctness: {run.dir / 'correctness.json'}: the correctness run exited {j.corr.pytest_exit}, not 0"
         )
+    elif j.corr is not None and j.corr.pytest_exit is None:
+        # The supervised children: a case that took one down is a failed case; one that ended
+        # outside any case, or none at all, is a run that did not finish.
+        last = j.corr.children[-1] if j.corr.children else None
+        if last is None:
+            j.problems.append(f"correctness: {run.dir / 'correctness.json'}: no child ran the cases")
+        elif last.item is None and last.exit != 0:
+            j.problems.append(f"correctness: {run.dir / 'correctness.json'}: its last child ended: {last.how}")
     for op in ops:
         path = run.dir / f"measure-{op}.json"
         rec = load(evidence.MeasureRecord, path.name)
@@ -708,6 +731,52 @@ def _fallback_expected(commit: str) -> tuple[set[str], str]:
 
 
 def _fallback(g: Gate, j: Judged) -> dict[str, Any]:
+    """The forced-fallback checks of this run: its fallback.json, or an old run's pytest tests."""
+    return _fallback_legacy(g, j) if j.legacy_fallback else _fallback_record(g, j)
+
+
+def _fallback_record(g: Gate, j: Judged) -> dict[str, Any]:
+    """fallback.json: every operator of the matrix has its checks expected, every expected check has
+    a result that passed, and on a GPU run every operator passed checks on the GPU (none skipped)."""
+    rec = j.fallback
+    if rec is None:
+        return {
+            "status": FAIL,
+            "problems": ["fallback: no readable fallback.json (see the record line)"],
+            "summary": "no",
+        }
+    path = (j.dir or Path()) / "fallback.json"
+    problems: list[str] = []
+    listed = {e.operator for e in rec.expected}
+    for op in g.mx.operators:
+        if op not in listed:
+            problems.append(f"fallback: {path}: no forced-fallback check of {op} was expected")
+    got: dict[str, evidence.FallbackRow] = {}
+    for row in rec.results:
+        if row.id in got:
+            problems.append(f"fallback: {path}: {row.id}: two results for one check")
+        got[row.id] = row
+    on_gpu: dict[str, int] = {}
+    for e in rec.expected:
+        r = got.get(e.id)
+        if r is None:
+            problems.append(f"fallback: {e.id}: no result")
+        elif r.outcome != "passed":
+            problems.append(f"fallback: {e.id} {r.outcome}" + (f": {r.why.strip()[-200:]}" if r.why else ""))
+        elif e.where == "cuda":
+            on_gpu[e.operator] = on_gpu.get(e.operator, 0) + 1
+    if rec.gpu_run:
+        for op in g.mx.operators:
+            if op in listed and not on_gpu.get(op):
+                problems.append(f"fallback: {op}: no forced-fallback check passed on the GPU")
+    n = sum(on_gpu.values())
+    summary = (
+        f"yes ({n} on the GPU, {len(rec.expected)} in all)" if not problems else f"FAILED ({len(problems)} problems)"
+    )
+    return {"status": FAIL if problems else PASS, "problems": problems, "summary": summary}
+
+
+def _fallback_legacy(g: Gate, j: Judged) -> dict[str, Any]:
     """The forced-fallback tests of this run: every one of the commit's tests ran and passed, and each
     that runs on a device ran on the GPU (its [cuda] case), none skipped."""
     if j.corr is None:

@@ -214,6 +214,11 @@ class Operator:
         """The framework op that the kernel is timed against."""
         raise NotImplementedError
 
+    def fallback_reference(self, case: Case, inputs: tuple[Any, ...]) -> torch.Tensor:
+        """The framework op as the public API falls back to it, on any device (no backend pinned):
+        a forced fallback must return this bit for bit."""
+        return self.framework(case, inputs).call()  # type: ignore[no-any-return]
+
     def exact(self, case: Case, inputs: tuple[Any, ...]) -> torch.Tensor:
         """The reference in high precision (float64), against which outputs are checked."""
         raise NotImplementedError

@@ -1,9 +1,14 @@
 """The pilot workflow: a list of plain steps, run in order for one device, each writing its record.
 
-    build -> correctness -> measure (asv) -> publish -> gate
+    build -> correctness -> fallback -> measure (asv) -> publish        (then `tilepilot gate`)
 
-Before any work it checks what the run could not be trusted without: the device's GPU, the pinned
-stack (matrix.toml's Python, torch and its CUDA/ROCm, TileLang, compiler, driver) and pytest. It
+STEPS is that list: each step is a plain function `step(run, prev) -> its typed result` (None where
+it does not apply, as measuring without the GPU), run in order by `execute`, which collects their
+failures. Correctness and the forced-fallback checks run in supervised children (tilepilot.supervise)
+that read the run context file (tilepilot.context), as asv's benchmarks do (TILEPILOT_CONTEXT).
+
+Before any work it checks what the run could not be trusted without: the device's GPU and the pinned
+stack (matrix.toml's Python, torch and its CUDA/ROCm, TileLang, compiler, driver). It
 stops with one line where one is missing (exit 2), unless told to go on: `--compile-only` builds and
 checks the kernels without the GPU and measures nothing; `--allow-unpinned` runs on another stack and
 every record says so (the gate fails such a run).
@@ -13,7 +18,7 @@ exit 1): nothing the pilot skipped is ever reported as passed.
 
 The pilot's own lines go to the terminal, one progress display per step (a live line on a terminal,
 plain periodic lines otherwise); what its workers and children print (TileLang's per-kernel log,
-pytest, asv) goes into the run's pilot.log.
+torch, asv) goes into the run's pilot.log.
 """
 
 from __future__ import annotations
@@ -24,8 +29,6 @@ import json
 import os
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -38,13 +41,6 @@ from tilepilot import build, cases, envinfo, matrix, paths, record
 from tilepilot.errors import UserError
 
 ROOT = record.ROOT
-# pytest's exit statuses that mean the suite did not run as asked (not "some tests failed").
-PYTEST_COULD_NOT_RUN = {
-    2: "interrupted or a collection error",
-    3: "internal error",
-    4: "usage error",
-    5: "no tests collected",
-}
 
 
 @dataclass
@@ -66,6 +62,9 @@ class Run:
     commit: str = ""
     rid: str = field(default_factory=record.run_id)
     timings: dict[str, float] = field(default_factory=dict)
+    sel: list[cases.Case] = field(default_factory=list)
+    publish: bool = True
+    matrix_path: Path = matrix.DEFAULT_PATH
 
     @property
     def repro_root(self) -> Path:
@@ -78,6 +77,21 @@ class Run:
     @property
     def log(self) -> Path:
         return self.dir / "pilot.log"
+
+    def context(self, **fields: Any) -> Any:
+        """The run context a child reads (tilepilot.context): this run, and what the child is to do."""
+        from tilepilot import context
+
+        base = {
+            "device": self.device,
+            "matrix": str(self.matrix_path),
+            "run_dir": str(self.dir),
+            "trials": self.trials,
+            "pattern": self.pattern,
+            "cases": [c.id for c in self.sel],
+            "on_gpu": self.on_gpu,
+        }
+        return context.RunContext.model_validate({**base, **fields})
 
     def header(self, kind: str) -> dict[str, Any]:
         # unpinned: each difference from the device's pins; a run with any is never a release run.
@@ -213,7 +227,42 @@ class Progress:
         return time.perf_counter() - self.t0
 
 
-def step_build(run: Run, sel: list[cases.Case]) -> list[dict[str, Any]]:
+@dataclass
+class StepResult:
+    """What every step returns: the reasons it failed or could not run (empty: it passed)."""
+
+    failures: list[str] = field(default_factory=list)
+
+
+@dataclass
+class BuildResult(StepResult):
+    cases: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class CorrectnessResult(StepResult):
+    rows: dict[str, dict[str, Any]] = field(default_factory=dict)
+    children: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class FallbackResult(StepResult):
+    expected: list[dict[str, Any]] = field(default_factory=list)
+    results: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class MeasureResult(StepResult):
+    rc: int = 0
+
+
+@dataclass
+class PublishResult(StepResult):
+    rc: int = 0
+
+
+def step_build(run: Run, prev: dict[str, Any]) -> BuildResult:
+    sel = run.sel + model_kernels(run.mx, run.sel, run.pattern)
     prog = Progress("build", len(sel), "starting the compile workers")
 
     def done(phase: str, case: str, n: int, total: int) -> None:
@@ -255,7 +304,8 @@ def step_build(run: Run, sel: list[cases.Case]) -> list[dict[str, Any]]:
         + (f"; {len(bad)} failed" if bad else "")
         + (f"; cold compile of {reused} unchanged kernels reused (--cold always re-measures)" if reused else "")
     )
-    return results
+    failures = [f"build: {len(bad)} of {len(results)} kernels failed (first: {bad[0]['case']})"] if bad else []
+    return BuildResult(failures, results)
 
 
 def model_kernels(mx: matrix.Matrix, sel: list[cases.Case], pattern: str | None) -> list[cases.Case]:
@@ -268,140 +318,64 @@ def model_kernels(mx: matrix.Matrix, sel: list[cases.Case], pattern: str | None)
     return [c for c in model.kernel_cases(mx) if (c.op, tuple(sorted(build.build_args(c).items()))) not in have]
 
 
-def _pytest_cmd(run: Run, out: Path, exclude: Path, attempt: int, with_fallback: bool) -> list[str]:
-    # The forced-fallback tests run too: on the GPU they take the public API through every reason.
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        str(ROOT / "tests" / "test_correctness.py"),
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        f"--tilepilot-device={run.device}",
-        f"--tilepilot-record={out}",
-        f"--tilepilot-trials={run.trials}",
-        f"--tilepilot-exclude={exclude}",
-        f"--junitxml={run.dir / f'correctness.junit.{attempt}.xml'}",
-    ]
-    if with_fallback:
-        cmd.insert(4, str(ROOT / "tests" / "test_fallback.py"))
-    if run.pattern:
-        cmd.append(f"--tilepilot-cases={run.pattern}")
-    return cmd
-
-
-def _supervise(
-    cmd: list[str],
-    current: Path,
-    timeout_s: float,
-    env: dict[str, str],
-    watch: Callable[[dict[str, Any] | None], None] | None = None,
-) -> tuple[int, str | None, str]:
-    """Run pytest; kill it when one case runs past timeout_s. Returns (exit status, the case that was
-    running when it died or hung, how it ended). `watch` sees the running case once a second."""
-    current.unlink(missing_ok=True)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
-    while True:
-        try:
-            rc = proc.wait(timeout=1.0)
-            break
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            cur = json.loads(current.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            cur = None
-        if watch is not None:
-            watch(cur)
-        if cur is not None and time.time() - cur["started"] > timeout_s:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return -9, cur["nodeid"], f"hung: no result after {timeout_s:.0f}s; the process was killed"
-    if rc < 0 or rc not in (0, 1, *PYTEST_COULD_NOT_RUN):  # a signal, or the interpreter died under pytest
-        try:
-            cur = json.loads(current.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return rc, None, f"pytest died (exit {rc}) outside any case"
-        how = f"crashed: signal {signal.Signals(-rc).name}" if rc < 0 else f"crashed: exit status {rc}"
-        return rc, cur["nodeid"], how
-    return rc, None, ""
-
-
 def _first(ids: list[str], rows: dict[str, dict[str, Any]]) -> str:
     why = str(rows[ids[0]].get("why", "")).strip().splitlines() if ids[0] in rows else []
     return f"{ids[0]}" + (f": {why[-1][:200]}" if why else "")
 
 
-def step_correctness(run: Run, sel: list[cases.Case]) -> list[str]:
-    """The pytest suite, supervised: a case that crashes its process or hangs is killed, recorded as
-    failed with its reproducer, and the rest of the cases run on in a fresh process. Returns the
-    reasons the step failed or could not run (empty: every case has its result)."""
-    from tilepilot import repro
+def _child(run: Run, step: str, ctx: Any) -> tuple[list[str], int]:
+    """A step's child: its context file in the run folder, and the argv (the report fd at index 5)."""
+    from tilepilot import context
+
+    path = context.write(run.dir / f"context-{step}.json", ctx)
+    cmd = [sys.executable, "-m", f"tilepilot.{step}", str(path), "--report-fd", "FD"]
+    print(f"tilepilot: {step} child: {shlex.join(cmd)}", flush=True)  # into the log
+    return cmd, 5
+
+
+def step_correctness(run: Run, prev: dict[str, Any]) -> CorrectnessResult:
+    """The cases in a supervised child (tilepilot.supervise): a case that crashes its process or
+    hangs is killed, recorded as failed with its reproducer, and the rest of the cases run on in a
+    fresh child. Its failures: why the step failed or could not run (empty: every case passed)."""
+    from tilepilot import repro, supervise
 
     t0 = time.perf_counter()
+    sel = run.sel
     out = run.dir / "correctness.json"
-    lines, current, exclude = (out.with_name(out.name + s) for s in (".jsonl", ".current", ".exclude"))
-    lines.unlink(missing_ok=True)
     env = {**os.environ, "TILELANG_CACHE_DIR": str(run.cache)}
-    by_node = {f"test_correctness[{c.id}]": c for c in sel}
+    by_id = {c.id: c for c in sel}
     dead: dict[str, dict[str, Any]] = {}
-    rc, how = 0, ""
-    prog = Progress("correctness", len(sel), "starting pytest")
+    prog = Progress("correctness", len(sel), "starting the harness")
 
-    def watch(cur: dict[str, Any] | None) -> None:
-        try:
-            done = lines.read_text(encoding="utf-8").count('"case":') + len(dead)
-        except OSError:
-            done = len(dead)
-        what = f"{cur['nodeid'].split('::')[-1]} for {_clock(time.time() - cur['started'])}" if cur else "between cases"
-        prog.update(done, what)
+    def command(done: set[str], attempt: int) -> tuple[list[str], int]:
+        return _child(run, "correctness", run.context(cases=[c.id for c in sel if c.id not in done]))
+
+    def watch(current: str | None, elapsed: float, got: supervise.Supervised) -> None:
+        prog.update(
+            len(got.results) + len(got.dead), f"{current} for {_clock(elapsed)}" if current else "between cases"
+        )
+
+    def on_dead(cid: str, how: str) -> None:
+        case = by_id[cid]
+        say(f"correctness: {cid}: {how}; recorded as failed, the other cases go on")
+        kind = "hang" if how.startswith("hung") else "crash"
+        path = repro.write(case, run.device, kind, how, root=run.repro_root, on_device=run.on_gpu)
+        dead[cid] = {"case": cid, "group": case.group, "status": "failed", "why": how, "repro": _rel(path)}
 
     try:
-        for attempt in range(len(sel) + 1):
-            exclude.write_text("\n".join(dead), encoding="utf-8")
-            # The fallback tests run in the first process that gets to them (a crash may come first).
-            with_fallback = not (lines.exists() and '"test":' in lines.read_text(encoding="utf-8"))
-            cmd = _pytest_cmd(run, out, exclude, attempt, with_fallback and not any("test_fallback" in d for d in dead))
-            print(f"tilepilot: correctness, process {attempt + 1}: {shlex.join(cmd)}", flush=True)  # into the log
-            rc, nodeid, how = _supervise(cmd, current, run.case_timeout_s, env, watch)
-            if nodeid is None:
-                break
-            case = next((c for n, c in by_node.items() if nodeid.endswith(n)), None)
-            say(f"correctness: {nodeid}: {how}; recorded as failed, the other cases go on")
-            if case is None:  # a fallback test took the process down: that is a failed run, not a case
-                dead[nodeid] = {"test": nodeid, "outcome": "failed", "why": how}
-                continue
-            path = repro.write(
-                case,
-                run.device,
-                "hang" if how.startswith("hung") else "crash",
-                how,
-                root=run.repro_root,
-                on_device=run.on_gpu,
-            )
-            dead[case.id] = {"case": case.id, "group": case.group, "status": "failed", "why": how, "repro": _rel(path)}
+        got = supervise.supervise(command, [c.id for c in sel], run.case_timeout_s, env, watch, on_dead)
     finally:
         prog.close()
+        (run.dir / "context-correctness.json").unlink(missing_ok=True)
     rows: dict[str, dict[str, Any]] = {}
-    tests: dict[str, dict[str, Any]] = {}
-    if lines.exists():
-        for line in lines.read_text(encoding="utf-8").splitlines():
-            item = json.loads(line)
-            if "test" in item:
-                tests[item.pop("test")] = item
-            else:
-                rows[item["case"]] = item
-    for key, item in dead.items():
-        if "test" in item:
-            tests[key] = {"outcome": "failed", "why": item["why"]}
-        else:
-            rows[key] = item
+    for cid, row in got.results.items():
+        if cid in by_id:
+            rows[cid] = {k: v for k, v in row.items() if k != "id"}
+    rows.update(dead)
     for row in rows.values():  # wrong values: the reproducer, minimized on the device
         if (row["status"] == "failed" or row.get("kernel_status") == "failed") and "repro" not in row:
-            case = next(c for c in sel if c.id == row["case"])
             path = repro.write(
-                case,
+                by_id[row["case"]],
                 run.device,
                 "wrong",
                 json.dumps(row.get("trials", row))[:4000],
@@ -409,17 +383,14 @@ def step_correctness(run: Run, sel: list[cases.Case]) -> list[str]:
                 on_device=run.on_gpu,
             )
             row["repro"] = _rel(path)
-    for p in (lines, current, exclude):
-        p.unlink(missing_ok=True)
-    failures = _correctness_failures(run, sel, rows, tests, rc, how)
+    failures = _correctness_failures(run, sel, rows, got.could_not_run)
     record.write_json(
         out,
         {
             **run.header("correctness"),
             "cases": [rows[c.id] for c in sel if c.id in rows],
-            "tests": tests,
             "complete": True,
-            "pytest_exit": rc,
+            "children": got.children,
             "restarts": len(dead),
             "failures": failures,
         },
@@ -431,23 +402,16 @@ def step_correctness(run: Run, sel: list[cases.Case]) -> list[str]:
         f"{sum(r['status'] in ('failed', 'error') for r in rows.values())} failed of {len(sel)} cases "
         f"in {run.timings['correctness_s']:.0f}s; record {_rel(out)}"
     )
-    return failures
+    return CorrectnessResult(failures, rows, got.children)
 
 
 def _correctness_failures(
-    run: Run,
-    sel: list[cases.Case],
-    rows: dict[str, dict[str, Any]],
-    tests: dict[str, dict[str, Any]],
-    rc: int,
-    how: str,
+    run: Run, sel: list[cases.Case], rows: dict[str, dict[str, Any]], could_not_run: str = ""
 ) -> list[str]:
     """Why the correctness step does not count: it could not run, ran on nothing, or found failures."""
     out: list[str] = []
-    if rc in PYTEST_COULD_NOT_RUN:
-        out.append(f"correctness could not run: pytest exit {rc} ({PYTEST_COULD_NOT_RUN[rc]}); see {_rel(run.log)}")
-    elif how.startswith("pytest died"):
-        out.append(f"correctness could not run: {how}; see {_rel(run.log)}")
+    if could_not_run:
+        out.append(f"correctness could not run: {could_not_run}; see {_rel(run.log)}")
     if not rows:
         out.append(f"correctness: no case has a result ({len(sel)} selected); see {_rel(run.log)}")
         return out
@@ -457,18 +421,96 @@ def _correctness_failures(
     bad = [c.id for c in sel if rows.get(c.id, {}).get("status") in ("failed", "error")]
     if bad:
         out.append(f"correctness: {len(bad)} of {len(sel)} cases failed (first: {_first(bad, rows)})")
+    wrong = [c.id for c in sel if c.id not in bad and rows.get(c.id, {}).get("kernel_status") == "failed"]
+    if wrong:  # a kernel the config keeps behind the framework op must still compute the right thing
+        out.append(f"correctness: the TileLang kernel of {len(wrong)} of {len(sel)} cases is wrong (first: {wrong[0]})")
     if run.on_gpu and not run.compile_only:  # on the device's GPU nothing has a reason to skip
         skipped = [c.id for c in sel if rows.get(c.id, {}).get("status") == "skipped"]
         if skipped:
             out.append(
                 f"correctness: {len(skipped)} cases skipped on the {run.device} GPU (first: {_first(skipped, rows)})"
             )
-    failed_tests = sorted(k for k, t in tests.items() if t.get("outcome") == "failed")
-    if failed_tests:
-        out.append(f"correctness: {len(failed_tests)} other tests failed (first: {failed_tests[0]})")
-    if rc != 0 and not out:  # pytest says something failed that no record shows: not a pass either
-        out.append(f"correctness: pytest exit {rc} with no failure recorded; see {_rel(run.log)}")
     return out
+
+
+def fallback_operators(run: Run) -> list[str]:
+    """Every operator of the matrix; a partial run (--cases) checks the operators it selected."""
+    return [op for op in run.mx.operators if run.pattern is None or any(c.op == op for c in run.sel)]
+
+
+def step_fallback(run: Run, prev: dict[str, Any]) -> FallbackResult:
+    """The forced-fallback checks (tilepilot.fallback) in a supervised child: a check that crashes or
+    hangs is failed, and cannot take the pilot down. Writes fallback.json."""
+    from tilepilot import supervise
+
+    t0 = time.perf_counter()
+    ops = fallback_operators(run)
+    env = {**os.environ, "TILELANG_CACHE_DIR": str(run.cache)}
+    prog = Progress("fallback", 0, f"forced-fallback checks of {', '.join(ops)}")
+
+    def command(done: set[str], attempt: int) -> tuple[list[str], int]:
+        return _child(run, "fallback", run.context(operators=ops, skip=sorted(done)))
+
+    def watch(current: str | None, elapsed: float, got: supervise.Supervised) -> None:
+        total = next((len(m["expected"]) for m in got.messages if "expected" in m), 0)
+        prog.update(len(got.results) + len(got.dead), f"{current}" if current else "between checks", total)
+
+    def on_dead(cid: str, how: str) -> None:
+        say(f"fallback: {cid}: {how}; recorded as failed, the other checks go on")
+
+    try:
+        got = supervise.supervise(command, None, run.case_timeout_s, env, watch, on_dead)
+    finally:
+        prog.close()
+        (run.dir / "context-fallback.json").unlink(missing_ok=True)
+    expected: list[dict[str, Any]] = next((m["expected"] for m in got.messages if "expected" in m), [])
+    results: list[dict[str, Any]] = []
+    for e in expected:
+        row = got.results.get(e["id"])
+        if row is None:
+            why = got.dead.get(e["id"], "no result: the child ended before it")
+            row = {**e, "outcome": "failed", "why": why}
+        results.append(row)
+    failures = []
+    if got.could_not_run:
+        failures.append(f"fallback could not run: {got.could_not_run}; see {_rel(run.log)}")
+    if not expected:
+        failures.append(f"fallback: the step listed no checks; see {_rel(run.log)}")
+    listed = {e["operator"] for e in expected}
+    if expected and (absent := [op for op in ops if op not in listed]):
+        failures.append(f"fallback: no check of {', '.join(absent)}")
+    failed = [r for r in results if r["outcome"] == "failed"]
+    if failed:
+        said = str(failed[0].get("why", "")).strip().splitlines()
+        failures.append(
+            f"fallback: {len(failed)} of {len(results)} checks failed (first: {failed[0]['id']}"
+            + (f": {said[-1][:200]})" if said else ")")
+        )
+    skipped = [r for r in results if r["outcome"] == "skipped"]
+    if skipped and run.on_gpu and not run.compile_only:
+        failures.append(
+            f"fallback: {len(skipped)} checks skipped on the {run.device} GPU (first: {skipped[0]['id']}: "
+            f"{skipped[0].get('why', '')})"
+        )
+    out = run.dir / "fallback.json"
+    record.write_json(
+        out,
+        {
+            **run.header("fallback"),
+            "operators": ops,
+            "expected": expected,
+            "results": results,
+            "children": got.children,
+            "complete": True,
+            "failures": failures,
+        },
+    )
+    run.timings["fallback_s"] = time.perf_counter() - t0
+    say(
+        f"fallback: {sum(r['outcome'] == 'passed' for r in results)} passed, {len(skipped)} skipped, "
+        f"{len(failed)} failed of {len(results)} checks in {run.timings['fallback_s']:.0f}s; record {_rel(out)}"
+    )
+    return FallbackResult(failures, expected, results)
 
 
 def _measure_failures(run: Run, sel: list[cases.Case], rc: int) -> list[str]:
@@ -508,18 +550,16 @@ def _measure_failures(run: Run, sel: list[cases.Case], rc: int) -> list[str]:
     return out
 
 
-def step_measure(run: Run, sel: list[cases.Case]) -> list[str]:
-    """asv runs the benchmarks (setup_cache measures once per operator) into results/asv."""
-    from tilepilot import history
+def step_measure(run: Run, prev: dict[str, Any]) -> MeasureResult | None:
+    """asv runs the benchmarks (setup_cache measures once per operator) into results/asv. The run
+    context crosses into them as one file, named by TILEPILOT_CONTEXT. Only on the device's GPU."""
+    from tilepilot import context, history
 
-    env = {
-        **os.environ,
-        "TILELANG_CACHE_DIR": str(run.cache),
-        "TILEPILOT_RUN_DIR": str(run.dir),
-        "TILEPILOT_DEVICE": run.device,
-        "TILEPILOT_CASES": run.pattern or "",
-    }
-    prog = Progress("measure", 0, f"asv: {len(sel)} cases and the model block, then asv's tracks")
+    if not run.on_gpu:
+        return None
+    ctx = context.write(run.dir / "context.json", run.context())
+    env = {**os.environ, "TILELANG_CACHE_DIR": str(run.cache), context.VARIABLE: str(ctx)}
+    prog = Progress("measure", 0, f"asv: {len(run.sel)} cases and the model block, then asv's tracks")
     try:
         rc = history.run(run.machine, run.commit, run.env, env)
     finally:
@@ -534,7 +574,41 @@ def step_measure(run: Run, sel: list[cases.Case]) -> list[str]:
         extra = f", {100 * (run.timings['asv_s'] / raw - 1):.1f}% over the measurement's own {raw:.0f}s ({detail})"
     run.timings["measure_raw_s"] = raw
     say(f"measure: asv exit {rc} in {run.timings['asv_s']:.0f}s{extra}")
-    return _measure_failures(run, sel, rc)
+    return MeasureResult(_measure_failures(run, run.sel, rc), rc)
+
+
+def step_publish(run: Run, prev: dict[str, Any]) -> PublishResult | None:
+    """asv publish: the pages, after a measurement (nothing to publish without one)."""
+    from tilepilot import history
+
+    if not run.publish or prev.get("measure") is None:
+        return None
+    rc = history.publish()
+    return PublishResult([f"publish: asv publish exited {rc}; see {_rel(run.log)}"] if rc != 0 else [], rc)
+
+
+Step = Callable[[Run, dict[str, Any]], StepResult | None]
+# The workflow. Each step gets the run and the earlier steps' results by name, writes its record and
+# returns its typed result, or None where it does not apply to this run (no GPU: nothing to measure).
+STEPS: tuple[tuple[str, Step], ...] = (
+    ("build", step_build),
+    ("correctness", step_correctness),
+    ("fallback", step_fallback),
+    ("measure", step_measure),
+    ("publish", step_publish),
+)
+
+
+def execute(run: Run, steps: tuple[tuple[str, Step], ...] = STEPS) -> tuple[dict[str, Any], list[str]]:
+    """Run every step in order and collect their failures: a failed step stops nothing (each later
+    step decides for itself whether it can run)."""
+    done: dict[str, Any] = {}
+    failures: list[str] = []
+    for name, step in steps:
+        done[name] = result = step(run, done)
+        if result is not None:
+            failures += result.failures
+    return done, failures
 
 
 def _span(values: list[float], fmt: str) -> str:
@@ -623,18 +697,6 @@ def _host_gpu(dev: matrix.Device) -> str | None:
     return None
 
 
-def _pytest_missing() -> str | None:
-    """Why the correctness step's pytest cannot start under this interpreter, or None."""
-    r = subprocess.run([sys.executable, "-c", "import pytest"], capture_output=True, text=True, cwd=ROOT, check=False)
-    if r.returncode == 0:
-        return None
-    last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
-    return (
-        f"pytest cannot be imported by {sys.executable} ({last}); the correctness step needs it: "
-        "install the project with `python3 -m pip install -e '.[tilelang]'` (README: Set-up)"
-    )
-
-
 def pilot(
     device: str,
     *,
@@ -697,8 +759,6 @@ def pilot(
         raise UserError(_where(device, dev, here) + (f"; also, {pins}" if unpinned and not allow_unpinned else ""))
     if unpinned and not allow_unpinned:
         raise UserError(pins)
-    if (why := _pytest_missing()) is not None:
-        raise UserError(why)
     run.machine = machine_name(device, env["gpu"], run.on_gpu)
     run.commit = env["git"]["commit"] or "uncommitted"
     say(
@@ -713,22 +773,12 @@ def pilot(
             f"COMPILE-ONLY ({have}): builds and checks what it can; nothing is measured "
             "(no correctness on the GPU, latency, memory or asv)"
         )
-    say(f"the workers' and children's output (TileLang, pytest, asv) goes to {_rel(run.log)}")
+    say(f"the workers' and children's output (TileLang, torch, asv) goes to {_rel(run.log)}")
+    run.sel, run.publish, run.matrix_path = sel, publish, matrix_path or matrix.DEFAULT_PATH
     t0 = time.perf_counter()
-    failures: list[str] = []
     with children_to(run.log):
-        results = step_build(run, sel + model_kernels(mx, sel, pattern))
-        bad = [r["case"] for r in results if r["status"] not in ("ok", "no-config")]
-        if bad:
-            failures.append(f"build: {len(bad)} of {len(results)} kernels failed (first: {bad[0]})")
-        failures += step_correctness(run, sel)
-        if run.on_gpu:
-            failures += step_measure(run, sel)
-            if publish:
-                from tilepilot import history
-
-                if (rc := history.publish()) != 0:
-                    failures.append(f"publish: asv publish exited {rc}; see {_rel(run.log)}")
+        done, failures = execute(run)
+    results = done["build"].cases
     run.timings["total_s"] = time.perf_counter() - t0
     injected = os.environ.get("TILEPILOT_INJECT") or None  # a failure-path test run is never a release run
     if injected:
