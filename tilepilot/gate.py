@@ -25,6 +25,7 @@ internal error (the CLI writes the traceback to a log file).
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 from dataclasses import dataclass, field
