@@ -108,6 +108,9 @@ class Decode(Operator):
 
         return Framework(call, {"reference_backend": backend.name})
 
+    def fallback_reference(self, case: Case, inputs: tuple[Any, ...]) -> Any:
+        return self.kernel.reference(*inputs)  # SDPA with the mask, its own choice of backend
+
     def exact(self, case: Case, inputs: tuple[Any, ...]) -> Any:
         return self.kernel.reference_exact(*inputs)
 
@@ -175,4 +178,36 @@ def reference(args):
         return Case(self.name, "probe-b3-c300", "edge", "float16", "bottom-right", dims, tol)
 
     def probes(self) -> list[Probe]:
-        return []
+        import torch
+
+        import kernels
+
+        ref = self.kernel.reference
+
+        def call(dtype: Any, d: int, lens_dtype: Any, where: str) -> tuple[Any, Any]:
+            q = _rand(2, 4, 1, d, dtype=dtype, device=where)
+            k, v = (
+                _rand(2, 2, 40, d, dtype=dtype, device=where),
+                _rand(2, 2, 41, d, dtype=dtype, device=where)[:, :, 1:],
+            )
+            v = v.contiguous()
+            lens = torch.tensor([7, 40], dtype=lens_dtype, device=where)
+            return kernels.decode_attention(q, k, v, lens), ref(q, k, v, lens.int())
+
+        return [
+            Probe(
+                "unsupported-dtype",
+                "unsupported dtype: torch.float32",
+                lambda w: call(torch.float32, 64, torch.int32, w),
+            ),
+            Probe(
+                "unsupported-head-dim",
+                "unsupported shape: head_dim 80 (supported: (64, 128))",
+                lambda w: call(torch.float16, 80, torch.int32, w),
+            ),
+            Probe(
+                "int64-lengths",
+                "unsupported shape: cache_seqlens must be int32 (B,) on q's device",
+                lambda w: call(torch.float16, 64, torch.int64, w),
+            ),
+        ]
