@@ -17,6 +17,7 @@ import re
 import stat
 import statistics
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -138,6 +139,43 @@ def subdirs(path: Path, root: Path) -> Iterator[Path]:
             raise EvidenceError(child, "a symlink; the gate reads regular files inside the results tree only")
         if stat.S_ISDIR(st.st_mode):
             yield child
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """One run's folder, records/<machine>/<commit>/<run id>/."""
+
+    path: Path
+
+    @property
+    def machine(self) -> str:
+        return self.path.parent.parent.name
+
+    @property
+    def commit(self) -> str:
+        return self.path.parent.name
+
+    @property
+    def id(self) -> str:
+        return self.path.name
+
+    @property
+    def finished(self) -> bool:
+        """The pilot writes run.json last: a folder without it is a run in progress or cut short."""
+        return os.path.lexists(self.path / "run.json")
+
+
+def runs(root: Path) -> Iterator[RunFolder]:
+    """Every run folder of a results tree, in name order: the one walk that the gate, merge and the
+    Slurm collector share. Dot-names (a writer's temporaries) are skipped; a symlink or a file where
+    a folder belongs, or a name that is not UTF-8, is refused by name (EvidenceError)."""
+    records = root / "records"
+    if not os.path.lexists(records):
+        return
+    for machine in subdirs(records, root):
+        for commit in subdirs(machine, root):
+            for run in subdirs(commit, root):
+                yield RunFolder(run)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -227,21 +227,13 @@ class Run:
 def _find_run(root: Path, device: str, commit: str) -> tuple[Run | None, list[str]]:
     """The newest finished run of the commit on any machine of the device (by run time: run ids are
     UTC start times), with the newer unfinished runs named."""
-    records = root / "records"
     found: list[tuple[str, str, Path, bool]] = []
-    if not records.exists() and not records.is_symlink():
-        return None, []
-    for mdir in evidence.subdirs(records, root):
-        if not mdir.name.startswith(f"{device}-") or mdir.name.endswith("-compile-only"):
+    for rf in evidence.runs(root):
+        if rf.commit != commit or not rf.machine.startswith(f"{device}-") or rf.machine.endswith("-compile-only"):
             continue
-        cdir = mdir / commit
-        if not cdir.exists() and not cdir.is_symlink():
-            continue
-        for rdir in evidence.subdirs(cdir, root):
-            if not evidence.RUN_ID.match(rdir.name):
-                raise EvidenceError(rdir, "not a run folder (its name is no UTC start time, YYYYMMDDTHHMMSSZ)")
-            finished = (rdir / "run.json").exists() or (rdir / "run.json").is_symlink()
-            found.append((rdir.name[:16], mdir.name, rdir, finished))
+        if not evidence.RUN_ID.match(rf.id):
+            raise EvidenceError(rf.path, "not a run folder (its name is no UTC start time, YYYYMMDDTHHMMSSZ)")
+        found.append((rf.id[:16], rf.machine, rf.path, rf.finished))
     found.sort(key=lambda t: (t[0], t[1], t[2].name), reverse=True)
     unfinished: list[str] = []
     for _, machine, rdir, finished in found:

@@ -57,6 +57,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
+from tilepilot import evidence
 from tilepilot.errors import UserError
 
 Policy = Literal["refuse", "keep-both"]
@@ -184,10 +185,12 @@ def _landed(run: Path, into_commit: Path) -> bool:
 
 
 def _plan_records(src: Path, into: Path, plan: Plan, claimed: dict[tuple[str, str], Path]) -> None:
-    for machine_dir in _dirs(src / "records"):
-        for commit_dir in _dirs(machine_dir):
-            for run in _dirs(commit_dir):
-                _plan_run(src, into, run, plan, claimed)
+    try:
+        found = [rf.path for rf in evidence.runs(src)]
+    except evidence.EvidenceError as exc:  # _check_special refused links already: a name that is not UTF-8
+        raise UserError(f"{exc}; merge copies results trees as the pilot writes them") from None
+    for run in found:
+        _plan_run(src, into, run, plan, claimed)
 
 
 def _plan_run(src: Path, into: Path, run: Path, plan: Plan, claimed: dict[tuple[str, str], Path]) -> None:

@@ -64,7 +64,7 @@ class Run:
     timings: dict[str, float] = field(default_factory=dict)
     sel: list[cases.Case] = field(default_factory=list)
     publish: bool = True
-    matrix_path: Path = matrix.DEFAULT_PATH
+    matrix_path: Path = field(default_factory=lambda: paths.current().matrix)
 
     @property
     def repro_root(self) -> Path:
@@ -774,7 +774,7 @@ def pilot(
             "(no correctness on the GPU, latency, memory or asv)"
         )
     say(f"the workers' and children's output (TileLang, torch, asv) goes to {_rel(run.log)}")
-    run.sel, run.publish, run.matrix_path = sel, publish, matrix_path or matrix.DEFAULT_PATH
+    run.sel, run.publish, run.matrix_path = sel, publish, matrix_path or paths.current().matrix
     t0 = time.perf_counter()
     with children_to(run.log):
         done, failures = execute(run)

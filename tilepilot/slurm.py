@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tilepilot import cases, envinfo, matrix, paths, quoting, record
+from tilepilot import cases, envinfo, evidence, matrix, paths, quoting, record
 from tilepilot.errors import UserError
 
 ROOT = record.ROOT
@@ -305,9 +305,7 @@ def status(ref: str | None, workdir: Path | None = None) -> int:
 
 def _attach(stage: Path, job: str, final: dict[str, str]) -> None:
     """The script that ran, its log and its final state, into every run folder the job produced."""
-    for run in (stage / "results" / "records").glob("*/*/*"):
-        if not run.is_dir():
-            continue
+    for run in (rf.path for rf in evidence.runs(stage / "results")):
         shutil.copy2(stage / "job.sbatch", run / "job.sbatch")
         log = stage / f"slurm-{job}.out"
         if log.exists():
