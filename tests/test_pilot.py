@@ -259,7 +259,7 @@ def test_steps_that_ran_on_nothing_fail(tmp_path: Path) -> None:
     assert pilot._measure_failures(run, sel, 0) == [
         f"measure: the measurement did not run (no {tmp_path / 'measure.json'})"
     ]
-    head = {"schema": record.SCHEMA, "complete": True}
+    head = {"schema": 1, "complete": True}
     record.write_json(tmp_path / "measure.json", {**head, "kind": "measure-all", "seconds": 1.0, "parts": {}})
     record.write_json(
         tmp_path / "measure-gemm.json",

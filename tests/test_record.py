@@ -13,7 +13,7 @@ from tilepilot import record
 def _measure(samples: list[float]) -> dict[str, object]:
     return {
         "kind": "measure",
-        "schema": record.SCHEMA,
+        "schema": record.schema("measure"),
         "complete": True,
         # a string that looks like a number list must come back byte for byte
         "note": "shape [4097,\n 4096] and [1, 2]",

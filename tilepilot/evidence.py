@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tilepilot import paths
+from tilepilot import paths, record
 
 MAX_BYTES = 64 * 2**20  # the largest committed record is 1.3 MB; asv result files are smaller
 # A run folder's name: its UTC start time, and a hash where a merge kept two runs of one second.
@@ -198,14 +198,15 @@ def _true(v: bool) -> bool:
     return v
 
 
-def _schema_one(v: int) -> int:
-    if v != 1:
-        raise ValueError(f"schema {v} is not the schema 1 this gate reads")
-    return v
+def _readable_schema(rec: Any) -> Any:
+    want = record.READABLE.get(rec.kind, ())
+    if rec.schema_ not in want:
+        readable = " or ".join(str(v) for v in want) or "none"
+        raise ValueError(f"schema {rec.schema_} of a {rec.kind} record is not one this gate reads ({readable})")
+    return rec
 
 
 Complete = Annotated[bool, AfterValidator(_true)]  # strict: 1 and "true" are not True
-SchemaOne = Annotated[int, AfterValidator(_schema_one)]
 
 
 class Gpu(_View):
@@ -234,7 +235,7 @@ class Header(_View):
     """What every run, build and correctness record says about where it came from."""
 
     kind: str
-    schema_: SchemaOne = Field(alias="schema")
+    schema_: int = Field(alias="schema")
     complete: Complete
     device: str
     machine: str
@@ -243,6 +244,8 @@ class Header(_View):
     gpu_run: bool
     pattern: str | None
     env: Env
+
+    _schema = model_validator(mode="after")(_readable_schema)
 
 
 class RunRecord(Header):
@@ -349,10 +352,12 @@ class _CaseRecord(_View):
     ModelCase), so that one bad case names itself and the others are still judged."""
 
     kind: str
-    schema_: SchemaOne = Field(alias="schema")
+    schema_: int = Field(alias="schema")
     complete: Complete
     device: str
     cases: dict[str, dict[str, Any]]
+
+    _schema = model_validator(mode="after")(_readable_schema)
 
 
 class MeasureRecord(_CaseRecord):

@@ -115,7 +115,7 @@ def measure_operator(
             compile_times[r["case"]] = {k: r.get(k) for k in ("cold_s", "warm_s", "status", "cold_reused_from")}
     data = {
         "kind": "measure",
-        "schema": record.SCHEMA,
+        "schema": record.schema("measure"),
         "op": op,
         "device": device,
         "ceilings": ceil,
@@ -159,7 +159,7 @@ def measure_all(device: str, pattern: str | None, run_dir: Path | None, started:
             run_dir / "measure.json",
             {
                 "kind": "measure-all",
-                "schema": record.SCHEMA,
+                "schema": record.schema("measure-all"),
                 "device": device,
                 "seconds": out["seconds"],
                 "parts": parts,

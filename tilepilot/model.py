@@ -177,7 +177,7 @@ def measure_model(
             torch.cuda.empty_cache()
     data = {
         "kind": "model",
-        "schema": record.SCHEMA,
+        "schema": record.schema("model"),
         "device": device,
         "model": cfg.model_dump(),
         "cases": results,

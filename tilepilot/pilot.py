@@ -97,7 +97,7 @@ class Run:
         # unpinned: each difference from the device's pins; a run with any is never a release run.
         return {
             "kind": kind,
-            "schema": record.SCHEMA,
+            "schema": record.schema(kind),
             "device": self.device,
             "machine": self.machine,
             "commit": self.commit,

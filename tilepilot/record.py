@@ -22,9 +22,28 @@ from tilepilot.errors import UserError
 ROOT = paths.ROOT
 # The results tree is paths.current().results: TILEPILOT_RESULTS points the whole history elsewhere
 # (tests use a copy; merges use a staging tree), read when a command runs.
-SCHEMA = 1
+# Each record kind's schema, bumped when its fields change meaning; readers accept the versions in
+# READABLE (the committed history stays readable). correctness 2: the harness's supervised children
+# (`children`), no longer pytest's exit status and node ids (`pytest_exit`, `tests`).
+SCHEMAS = {
+    "run": 1,
+    "build": 1,
+    "correctness": 2,
+    "fallback": 1,
+    "measure": 1,
+    "measure-all": 1,
+    "model": 1,
+    "tune": 1,
+    "submission": 1,
+}
+READABLE = {**{k: (v,) for k, v in SCHEMAS.items()}, "correctness": (1, 2)}
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
+
+
+def schema(kind: str) -> int:
+    """The schema a writer of this kind of record writes."""
+    return SCHEMAS[kind]
 
 
 def run_id() -> str:
@@ -76,8 +95,9 @@ def read_json(path: Path, kind: str) -> dict[str, Any]:
         raise UserError(f"{path}: missing {kind} record") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: corrupt {kind} record ({exc}); delete the run folder or re-run the pilot") from None
-    if not isinstance(data, dict) or data.get("kind") != kind or data.get("schema") != SCHEMA:
-        raise UserError(f"{path}: not a tilepilot {kind} record of schema {SCHEMA}")
+    if not isinstance(data, dict) or data.get("kind") != kind or data.get("schema") not in READABLE[kind]:
+        want = " or ".join(str(v) for v in READABLE[kind])
+        raise UserError(f"{path}: not a tilepilot {kind} record of schema {want}")
     if not data.get("complete"):
         raise UserError(f"{path}: partial {kind} record (the run did not finish); re-run the pilot")
     return data

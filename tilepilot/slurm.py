@@ -152,7 +152,7 @@ def submit(
     sid, sdir = _new_dir((workdir or paths.current().jobs).resolve())
     sub: dict[str, Any] = {
         "kind": "submission",
-        "schema": record.SCHEMA,
+        "schema": record.schema("submission"),
         "id": sid,
         "engine": "slurm",
         "commit": commit,

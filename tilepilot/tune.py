@@ -248,7 +248,7 @@ def tune(device: str, ops: list[str], pattern: str | None, budget_s: float, matr
             paths.current().results / "tune" / machine / f"{rid}-{op}.json",
             {
                 "kind": "tune",
-                "schema": record.SCHEMA,
+                "schema": record.schema("tune"),
                 "device": device,
                 "machine": machine,
                 "commit": commit,
