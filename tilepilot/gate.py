@@ -1005,8 +1005,18 @@ def gate(
     from tilepilot import inject
 
     commit = code_commit(rev)
-    # A commit is judged against the matrix it was made (and measured) with, unless one is named.
-    mx = matrix.load(matrix_path) if matrix_path is not None else matrix.at_commit(commit, ROOT)
+    # A commit is judged against the matrix it was made (and measured) with, unless one is named. An
+    # old commit's matrix that today's schema cannot read (schema 1 grew keys without a bump) is
+    # replaced by the checkout's, and the verdict says so.
+    matrix_note = ""
+    if matrix_path is not None:
+        mx = matrix.load(matrix_path)
+    else:
+        try:
+            mx = matrix.at_commit(commit, ROOT)
+        except UserError as exc:
+            mx = matrix.load()
+            matrix_note = f"{exc}: judged against the checkout's matrix.toml instead"
     if inject.active("internal", "gate"):  # the failure path of an internal error, for its test
         raise RuntimeError("injected internal error")
     # Resolved here, not at import: a cluster's gate job writes beside its own staging tree.
@@ -1021,6 +1031,8 @@ def gate(
     ok = all(d["status"] == PASS for d in devices if d["required"])
     ops: list[str] = list(mx.operators)
     lines = _report(commit, ok, devices, ops)
+    if matrix_note:
+        lines[3:3] = [f"matrix: {matrix_note}", ""]
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         # Each file lands whole (a temp file, then a rename); both carry the commit and the verdict.
