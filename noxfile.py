@@ -8,7 +8,7 @@ nox -s submit -- --engine slurm [--devices sm90,sm80]   # one job per device, th
 The sessions that run tilepilot use, in this order: the interpreter TILEPILOT_PYTHON names; nox's
 own interpreter when it can import the project's stack (nothing is installed then, as on a GPU host
 with `--no-venv`); otherwise a session virtualenv (reused) that gets the device's pinned Python and
-torch, then the project with TileLang and pytest.
+torch, then the project with TileLang (and pytest, for the project's own GPU tests).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ nox.options.error_on_missing_interpreters = True
 TEST_TORCH = "torch==2.13.0"
 
 # What `python -m tilepilot` imports (the project's dependencies); the pilot and tune need the
-# kernels' compiler and the correctness step's pytest too.
+# kernels' compiler too, and pytest, which runs the project's GPU tests on the device's host.
 NEEDS = ("pydantic", "tabulate", "asv", "docker", "jinja2", "yaml", "torch")
 NEEDS_PILOT = (*NEEDS, "tilelang", "pytest")
 # An interpreter that has the project's stack, to run tilepilot with instead of nox's own.

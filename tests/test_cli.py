@@ -66,7 +66,10 @@ def test_bad_numbers_are_one_line(argv: list[str], flag: str, capsys: pytest.Cap
     [
         (["pilot", "--device", "sm90", "--host", "--cases", "gemm/no-such-shape/*"], "matches no case"),
         (["pilot", "--device", "sm90", "--cases", "nope"], "matches no case"),  # container mode: before the image
-        (["tune", "--device", "sm90", "--cases", "gemm/tiny-16/*"], "matches no representative gemm/attention/decode case"),
+        (
+            ["tune", "--device", "sm90", "--cases", "gemm/tiny-16/*"],
+            "matches no representative gemm/attention/decode case",
+        ),
     ],
 )
 def test_a_pattern_that_selects_nothing_stops_first(

@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     named_matrix = args.matrix is not None or bool(os.environ.get("TILEPILOT_MATRIX"))
     if args.matrix is None:
         args.matrix = where.matrix
-    elif args.matrix != where.matrix:  # the pilot's subprocesses (pytest, asv) read the same one
+    elif args.matrix != where.matrix:  # the pilot's children and asv read the same one
         os.environ["TILEPILOT_MATRIX"] = str(args.matrix.resolve())
         where = dataclasses.replace(where, matrix=args.matrix.resolve())
     paths.use(where)

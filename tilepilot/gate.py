@@ -355,10 +355,15 @@ def _load_run(
     ]
     if not j.legacy_fallback:
         headers.append(("fallback.json", j.fallback))
+    stack: dict[str, list[str]] = {}  # one line per difference, naming every record that shows it
     for name, hdr in headers:
         if hdr is not None:
             j.problems += [f"record: {p}" for p in _identity(hdr, run.dir / name, run, device, commit, dev)]
-            j.problems += [f"stack: {run.dir / name}: {p}" for p in _stack_problems(dev, hdr.env)]
+            for p in _stack_problems(dev, hdr.env):
+                stack.setdefault(p, []).append(name)
+    j.problems += [
+        f"stack: {run.dir / names[0]}{''.join(', ' + n for n in names[1:])}: {p}" for p, names in stack.items()
+    ]
     if j.run is not None:
         if j.run.failed:
             j.problems.append(f"record: {run.dir / 'run.json'}: the pilot itself reported failure")
@@ -407,6 +412,10 @@ class Gate:
     root: Path
     commit: str
     ancestors: list[str]
+    all_cases: list[cases.Case] = field(default_factory=list)  # the matrix's, expanded once
+
+    def __post_init__(self) -> None:
+        self.all_cases = self.all_cases or cases.expand(self.mx)
 
 
 def _not_shipped_why(row: evidence.CorrectnessRow | None, sp: float, group: str, margin: float) -> str:
@@ -470,7 +479,7 @@ def _operator(
 ) -> dict[str, Any]:
     mx = g.mx
     opcfg = mx.operators[op]
-    expected = [c for c in cases.expand(mx) if c.op == op]
+    expected = [c for c in g.all_cases if c.op == op]
     ids = {c.id for c in expected}
     problems: list[str] = []
     notes: list[str] = []
@@ -858,7 +867,7 @@ def check_device(g: Gate, device: str) -> dict[str, Any]:
     if run is None:
         return _absent(g, device, unfinished)
     j = _load_run(g.root, run, device, g.commit, dev, ops, "model" in g.mx.pilot.metrics)
-    every = {c.id for c in [*cases.expand(g.mx), *blockspec.model_kernel_cases(g.mx)]}
+    every = {c.id for c in [*g.all_cases, *blockspec.model_kernel_cases(g.mx)]}
     for path, rec in ((run.dir / "correctness.json", j.corr), (run.dir / "build.json", j.build)):
         foreign = [r.case for r in rec.cases if r.case.split("/")[0] not in ops] if rec else []
         j.problems += [f"record: {p}" for p in _unexpected(foreign, every, path, "")]

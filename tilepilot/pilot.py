@@ -142,7 +142,7 @@ def say(msg: str) -> None:
 @contextlib.contextmanager
 def children_to(log: Path) -> Iterator[None]:
     """Point fds 1 and 2 at `log` (appending): every worker and subprocess inherits them, so
-    TileLang's per-kernel INFO lines, pytest's and asv's output land in the log, not the terminal."""
+    TileLang's per-kernel INFO lines, the step children's and asv's output land in the log, not the terminal."""
     global _TERM, _LOGGING
     log.parent.mkdir(parents=True, exist_ok=True)
     sys.stdout.flush()
