@@ -25,8 +25,9 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
-# The code a result is valid for: commits that touch only results, docs or the gate don't change it.
-CODE_PATHSPEC = [".", ":!results", ":!docs", ":!gate", ":!*.md"]
+# The code a result is valid for: commits that touch only results, docs, the gate's verdict or the
+# project's tests don't change it (the pilot runs no test: its steps are the harness's own).
+CODE_PATHSPEC = [".", ":!results", ":!docs", ":!gate", ":!*.md", ":!tests"]
 
 
 def git() -> dict[str, Any]:

@@ -28,7 +28,7 @@ import math
 import os
 import re
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,13 @@ def code_commit(rev: str = "HEAD") -> str:
     if out.returncode != 0 or not out.stdout.strip():
         raise UserError(f"--commit {rev!r}: no commit at or before it changed code")
     return out.stdout.strip()
+
+
+def _same_code(commit: str, rev: str) -> list[str]:
+    """The commits after the code commit up to `rev`, newest first: none changed code, so a run filed
+    under one of them (a pilot started there) is evidence of the same code."""
+    out = _git("rev-list", "--ancestry-path", "--end-of-options", f"{commit}..{rev}")
+    return out.stdout.split() if out.returncode == 0 else []
 
 
 def _ancestors(commit: str) -> list[str]:
@@ -413,6 +420,7 @@ class Gate:
     commit: str
     ancestors: list[str]
     all_cases: list[cases.Case] = field(default_factory=list)  # the matrix's, expanded once
+    same_code: list[str] = field(default_factory=list)  # later commits that changed no code (_same_code)
 
     def __post_init__(self) -> None:
         self.all_cases = self.all_cases or cases.expand(self.mx)
@@ -855,6 +863,12 @@ def check_device(g: Gate, device: str) -> dict[str, Any]:
     ops: list[str] = list(g.mx.operators)
     try:
         run, unfinished = _find_run(g.root, device, g.commit)
+        for later in g.same_code if run is None else []:
+            run, _ = _find_run(g.root, device, later)
+            if run is not None:  # judged as that commit's run throughout: its records and asv results
+                code = g.commit
+                g = replace(g, commit=later, ancestors=_ancestors(later), same_code=[])
+                return {**check_device(g, device), "same_code_as": code}
     except EvidenceError as exc:
         problems = [f"results: {exc}"]
         return {
@@ -963,7 +977,13 @@ def _report(commit: str, ok: bool, devices: list[dict[str, Any]], ops: list[str]
         if d.get("run"):
             base = d.get("baselines") or []
             lines += [
-                f"{d['device']}: judged run `{d['machine']}/{d['run']}`; regression baselines "
+                f"{d['device']}: judged run `{d['machine']}/{d['run']}`"
+                + (
+                    f" of `{d['commit'][:12]}`, which changed no code after `{d['same_code_as'][:12]}`"
+                    if "same_code_as" in d
+                    else ""
+                )
+                + "; regression baselines "
                 + (", ".join(f"`{b}`" for b in base) if base else "none (no earlier measured commit)"),
                 "",
             ]
@@ -1034,7 +1054,8 @@ def gate(
     root = evidence.results_root(results)
     if not root.is_dir():
         raise UserError(f"--results {root}: not a results folder (records/ and asv/ as a pilot writes them)")
-    g = Gate(mx, root, commit, _ancestors(commit))
+    rev_sha = _git("rev-parse", "--verify", "--quiet", "--end-of-options", f"{rev}^{{commit}}").stdout.strip()
+    g = Gate(mx, root, commit, _ancestors(commit), same_code=_same_code(commit, rev_sha or commit))
     # The whole device matrix is shown; only the required devices decide.
     devices = [_relative({**check_device(g, d), "required": d in mx.gate.required}) for d in mx.devices]
     ok = all(d["status"] == PASS for d in devices if d["required"])
