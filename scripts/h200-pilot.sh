@@ -5,6 +5,8 @@
 #   PROFILE=1: then Nsight Compute over scripts/h200-profile.py, into $OUT/ncu.csv
 # A first run starts from an empty compile cache (cold); when time is left (REPEAT_IF_LEFT seconds
 # of LIMIT), the same commit is measured again, warm, for the reproducibility and warm-time figures.
+# RUNS=cold or RUNS=warm runs one of them: a pilot too long for both in one call's 600 s is measured
+# cold in one call and warm in the next, made while the machine is still warm (its /tmp cache kept).
 set -uo pipefail
 # results/ (the committed history) comes from the bundle: with it the tree would pass the 64 MiB a
 # device call carries, so the call is made with results/ out of the checkout here
@@ -15,9 +17,9 @@ export PYTHONPATH=$PWD:/tmp/s/site PYTHONUNBUFFERED=1
 export TILEPILOT_CACHE=/tmp/tilepilot-cache
 limit=${LIMIT:-570}
 t0=$(date +%s)
-for run in cold warm; do
+for run in ${RUNS:-cold warm}; do
   left=$(( limit - ($(date +%s) - t0) ))
-  if [ "$run" = warm ] && [ "$left" -lt "${REPEAT_IF_LEFT:-260}" ]; then echo "no time left for a warm run ($left s)"; break; fi
+  if [ "$run" = warm ] && [ "${RUNS:-}" != warm ] && [ "$left" -lt "${REPEAT_IF_LEFT:-260}" ]; then echo "no time left for a warm run ($left s)"; break; fi
   s=$(date +%s)
   timeout "$left" python3 -m nox --no-venv -s pilot-sm90 -- --host "$@" 2>&1 | grep -v 'tilelang.jit.kernel:INFO' | tee "$OUT/pilot-$run.log"
   rc=${PIPESTATUS[0]}
