@@ -127,7 +127,9 @@ class Decode(Operator):
         return d
 
     def repro_code(self) -> str:
-        return """
+        return (
+            f"COMBINE_THREADS = {self.kernel.COMBINE_THREADS}\n"
+            + """
 def _lengths():
     b, lo, hi = DIMS["batch"], DIMS["min_len"], DIMS["cache_len"]
     return [hi] if b == 1 else [round(lo + (hi - lo) * i / (b - 1)) for i in range(b)]
@@ -168,9 +170,10 @@ def reference(args):
         out[b] = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ vb
     return out
 """
+        )
 
     def repro_functions(self) -> list[Any]:
-        return [self.kernel.launch]
+        return [self.kernel._plan, self.kernel.launch]
 
     def small_case(self) -> Case:
         tol = Tolerance(rel_fro=3e-3, atol=1e-2, rtol=1e-2)
