@@ -689,3 +689,104 @@ def test_a_folder_name_that_is_not_utf8_fails_without_a_crash(tree: Path, tmp_pa
 def test_a_results_folder_that_does_not_exist_is_bad_input(tmp_path: Path) -> None:
     r = gate(tmp_path / "nowhere", tmp_path)
     assert r.returncode == 2 and "--results" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry's era: three operators, each judged by the same rules
+
+
+NEW = "92aa7e933d115735c89423936fe469eed0464112"  # the operator registry with decode, measured on the H200
+NEW_BASE = "377cff9212ae4b39300fd466f6846b7494e7b3b8"  # its regression baseline, measured twice
+NEW_RUN = "20261203T200640Z"
+KEPT_CASES = {
+    "gemm": "gemm/llama8b-o-t4096/float16/nt",
+    "attention": "attention/llama8b-s8192/bfloat16/causal",
+    "decode": "decode/llama8b-b8-c32k/float16/bottom-right",
+}
+
+
+@pytest.fixture(scope="module")
+def registry_era(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dst = tmp_path_factory.mktemp("registry") / "results"
+    shutil.copytree(HISTORY / "records" / MACHINE / NEW, dst / "records" / MACHINE / NEW)
+    (dst / "asv" / MACHINE).mkdir(parents=True)
+    for f in (HISTORY / "asv" / MACHINE / "machine.json", _asv_file(NEW), _asv_file(NEW_BASE)):
+        shutil.copy2(f, dst / "asv" / MACHINE / f.name)
+    shutil.copy2(HISTORY / "asv" / "benchmarks.json", dst / "asv" / "benchmarks.json")
+    return dst
+
+
+def _ship(rdir: Path, op: str, case: str) -> None:
+    """Records in which the case ships its TileLang kernel (as a config rule would make it), consistently."""
+
+    def corr(d: Any) -> None:
+        (row,) = [r for r in d["cases"] if r["case"] == case]
+        row.update(status="passed", backend="tilelang")
+
+    edit(rdir / "correctness.json", corr)
+    edit(rdir / f"measure-{op}.json", lambda d: d["cases"][case].update(shipped="tilelang"))
+
+
+@pytest.mark.parametrize("shipped", [True, False], ids=["shipped", "kept"])
+@pytest.mark.parametrize("op", ["gemm", "attention", "decode"])
+def test_every_operators_regression_is_judged_against_the_baseline(
+    registry_era: Path, tmp_path: Path, op: str, shipped: bool
+) -> None:
+    """The regression check is the same for every operator of the registry: a kernel 1.5x slower
+    than at the baseline commit fails the gate where it ships and is a note where the framework op
+    keeps the call. (Before the registry, a third operator's regressions were filed under attention.)"""
+    import statistics
+
+    tree = tmp_path / "results"
+    shutil.copytree(registry_era, tree)
+    rdir = tree / "records" / MACHINE / NEW / NEW_RUN
+    case = KEPT_CASES[op]
+    if shipped:
+        _ship(rdir, op, case)
+    m = rdir / f"measure-{op}.json"
+    data = json.loads(m.read_text())
+    side = data["cases"][case]["kernel"]
+    side["samples_ms"] = [round(x * 1.5, 5) for x in side["samples_ms"]]
+    side["median_ms"] = statistics.median(side["samples_ms"])
+    data["cases"][case]["speedup"] = data["cases"][case]["reference"]["median_ms"] / side["median_ms"]
+    m.write_text(json.dumps(data))
+    edit_asv(tree, NEW, "track_kernel_ms", case, result=side["median_ms"], samples=side["samples_ms"])
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tilepilot",
+            "gate",
+            "--commit",
+            NEW,
+            "--results",
+            str(tree),
+            "--out",
+            str(tmp_path / "g"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+        timeout=300,
+        check=False,
+    )
+    assert "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+    verdict = json.loads((tmp_path / "g" / "gate.json").read_text())["devices"][0]["operators"][op]
+    line = f"{case}: "
+    against = f"ms against {NEW_BASE[:8]}"
+    if shipped:
+        assert r.returncode == 1, r.stdout
+        assert any(p.startswith(f"regression: {line}") and against in p for p in verdict["problems"]), verdict
+    else:
+        assert r.returncode == 0, r.stdout  # the rest of the run is a PASS, and a kept kernel ships nothing
+        assert any(line in n and against in n and "not shipped" in n for n in verdict["notes"]), verdict
+
+
+def test_the_registry_era_run_passes_with_every_operator_judged(registry_era: Path, tmp_path: Path) -> None:
+    r = gate(registry_era, tmp_path, "--commit", NEW)
+    assert r.returncode == 0, r.stdout + r.stderr
+    verdict = json.loads((tmp_path / "gate" / "gate.json").read_text())["devices"][0]
+    assert set(verdict["operators"]) == {"gemm", "attention", "decode"}
+    assert {v["status"] for v in verdict["operators"].values()} == {"PASS"}
+    assert verdict["fallback"]["status"] == "PASS" and "on the GPU" in verdict["fallback"]["summary"]
