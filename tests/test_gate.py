@@ -436,6 +436,8 @@ KNOWN_FAILING = {
     "b65aa9e1bcc90a5c95e438268089bd97e4aaf44c": "measured from a dirty tree",
     "d188bd9a8aafc35c17995ea183a0321b48cc6941": "measured from a dirty tree",
     "f67a20978d16481ef5e90a22a6af82d99e80c36d": "measured from a dirty tree",
+    # decode shipped on 20 cases: its split-KV partials over the memory objective, and no baseline
+    "377cff9212ae4b39300fd466f6846b7494e7b3b8": "decode/llama8b-b1-c32k/float16/bottom-right: memory 4 MiB > 1.1x",
 }
 
 
