@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from tilepilot import matrix
+
 ROOT = Path(__file__).resolve().parent.parent
 HISTORY = ROOT / "results"
 COMMIT = "9cbeb3879cddf8595bedd3260d26ebb5f33d5dc8"  # measured twice on the H200, clean tree
@@ -792,3 +794,108 @@ def test_the_registry_era_run_passes_with_every_operator_judged(registry_era: Pa
     assert set(verdict["operators"]) == {"gemm", "attention", "decode"}
     assert {v["status"] for v in verdict["operators"].values()} == {"PASS"}
     assert verdict["fallback"]["status"] == "PASS" and "on the GPU" in verdict["fallback"]["summary"]
+
+
+# What an attempt to break the registry-era gate found (each was a PASS before it was mended)
+
+
+def _fallback_edit(tree: Path, change: Callable[[Any], Any]) -> None:
+    edit(tree / "records" / MACHINE / NEW / NEW_RUN / "fallback.json", change)
+
+
+def _trim(d: Any) -> None:
+    keep = {f"{op}/compile-failed/cuda" for op in ("gemm", "attention", "decode")}
+    d["expected"] = [e for e in d["expected"] if e["id"] in keep]
+    d["results"] = [r for r in d["results"] if r["id"] in keep]
+
+
+def _unlisted_failure(d: Any) -> None:
+    d["expected"] = [e for e in d["expected"] if e["id"] != "decode/int64-lengths/cuda"]
+    (row,) = [r for r in d["results"] if r["id"] == "decode/int64-lengths/cuda"]
+    row["outcome"] = "failed"
+
+
+def _relabel(d: Any) -> None:
+    for rows in (d["expected"], d["results"]):
+        rows[:] = [r for r in rows if r["where"] == "cpu"]
+        for r in rows:
+            r["id"] = r["id"].removesuffix("/cpu") + "/cuda"
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        (_trim, "no forced-fallback probe of gemm was expected"),
+        (_unlisted_failure, "decode/int64-lengths/cuda: a result of a check that was not expected"),
+        (lambda d: d["expected"].extend(d["expected"][:3]), "gemm/unsupported-dtype/cpu: expected twice"),
+        (_relabel, "gemm/unsupported-dtype/cuda: says operator 'gemm', probe 'unsupported-dtype', cpu"),
+        (
+            lambda d: d.update(failures=["fallback could not run: boom"]),
+            "the step reported failure: fallback could not",
+        ),
+        (lambda d: d["children"].append({"exit": -9, "how": "killed by SIGKILL"}), "did not finish cleanly (killed"),
+    ],
+    ids=["trimmed", "unlisted-failure", "duplicate", "relabelled", "failures", "child-killed"],
+)
+def test_a_fallback_record_is_judged_against_what_the_step_must_check(
+    registry_era: Path, tmp_path: Path, change: Callable[[Any], Any], needle: str
+) -> None:
+    tree = tmp_path / "results"
+    shutil.copytree(registry_era, tree)
+    _fallback_edit(tree, change)
+    fails(gate(tree, tmp_path, "--commit", NEW), needle)
+
+
+def test_a_new_run_never_takes_the_pytest_path(registry_era: Path, tmp_path: Path) -> None:
+    """A fallback.json deleted and pytest's node ids forged into a schema-2 correctness record, and a
+    schema-2 record that also carries pytest's exit status over a child that was killed."""
+    tree = tmp_path / "results"
+    shutil.copytree(registry_era, tree)
+    rdir = tree / "records" / MACHINE / NEW / NEW_RUN
+    (rdir / "fallback.json").unlink()
+
+    def forge(d: Any) -> None:
+        d["tests"] = {
+            f"tests/test_fallback.py::test_unsupported_dtype[{w}]": {"outcome": "passed"} for w in ("cpu", "cuda")
+        }
+        d["pytest_exit"] = 0
+        d["children"] = [{"exit": -9, "how": "killed by SIGKILL (out of memory?) between cases"}]
+
+    edit(rdir / "correctness.json", forge)
+    fails(gate(tree, tmp_path, "--commit", NEW), "fallback.json: missing", "its last child ended: killed by SIGKILL")
+
+
+def test_same_code_is_code_byte_for_byte() -> None:
+    """Later commits count as the code commit's only where their code is its code: the commits after
+    NEW that changed only tests and docs do, a commit that changed the gate does not."""
+    from tilepilot import gate as gate_mod
+
+    later = subprocess.run(
+        ["git", "rev-list", "--ancestry-path", f"{NEW}..HEAD"], capture_output=True, text=True, cwd=ROOT, check=True
+    ).stdout.split()
+    same = set(gate_mod._same_code(NEW, "HEAD"))
+    for c in later:
+        changed = subprocess.run(
+            ["git", "diff", "--quiet", NEW, c, "--", *gate_mod.envinfo.CODE_PATHSPEC], cwd=ROOT, check=False
+        ).returncode
+        assert (c in same) == (changed == 0), c
+    assert any(c.startswith("ffa8a38") for c in same)  # a commit that changed tests only
+    assert any(c not in same for c in later), "no later commit changed code: the check proved nothing"
+
+
+def test_a_kernel_the_commits_matrix_does_not_judge_fails() -> None:
+    from tilepilot import gate as gate_mod
+
+    mx = matrix.at_commit(NEW, ROOT)
+    assert gate_mod._unjudged(NEW, mx) == []
+    without = mx.model_copy(update={"operators": {k: v for k, v in mx.operators.items() if k != "decode"}})
+    found = gate_mod._unjudged(NEW, without)
+    assert any("kernels/decode/ at 92aa7e933d11: no [operators.decode]" in p for p in found), found
+    assert any("kernels/configs/sm90.toml at 92aa7e933d11: [decode] configures a kernel" in p for p in found), found
+
+
+def test_only_a_schema_1_matrix_is_replaced_when_unreadable() -> None:
+    from tilepilot import gate as gate_mod
+
+    assert gate_mod._schema_one("27a99ec7da41774f105d3b92df78c303d13c54af")
+    assert not gate_mod._schema_one(NEW)

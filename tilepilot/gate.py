@@ -72,10 +72,57 @@ def code_commit(rev: str = "HEAD") -> str:
 
 
 def _same_code(commit: str, rev: str) -> list[str]:
-    """The commits after the code commit up to `rev`, newest first: none changed code, so a run filed
-    under one of them (a pilot started there) is evidence of the same code."""
+    """The commits after the code commit up to `rev` whose code is the code commit's, byte for byte
+    (newest first): a run filed under one of them (a pilot started there) is evidence of that code.
+    Each is compared with the code commit itself: a side branch that changed code and was merged
+    without it, or changed it and changed it back, does not count until its tree says so."""
     out = _git("rev-list", "--ancestry-path", "--end-of-options", f"{commit}..{rev}")
-    return out.stdout.split() if out.returncode == 0 else []
+    if out.returncode != 0:
+        return []
+    same = []
+    for c in out.stdout.split():
+        diff = _git("diff", "--quiet", commit, c, "--", *envinfo.CODE_PATHSPEC)
+        if diff.returncode == 0:
+            same.append(c)
+    return same
+
+
+def _unjudged(commit: str, mx: matrix.Matrix) -> list[str]:
+    """Kernels the commit could ship that its matrix does not judge: a kernel package, or a table of
+    a device's config, with no [operators.<name>] section (`tilepilot matrix check` refuses both in a
+    checkout; the gate reads the commit's own tree)."""
+    import tomllib
+
+    out = _git("ls-tree", "-r", "--name-only", commit, "--", "kernels")
+    if out.returncode != 0:
+        return [f"git ls-tree {commit[:12]} kernels failed: the kernels it ships cannot be listed"]
+    problems = []
+    for name in out.stdout.split():
+        parts = name.split("/")
+        if len(parts) == 3 and parts[2] == "__init__.py" and parts[1] not in mx.operators:
+            problems.append(f"kernels/{parts[1]}/ at {commit[:12]}: no [operators.{parts[1]}] in its matrix.toml")
+        if len(parts) == 3 and parts[1] == "configs" and parts[2].endswith(".toml"):
+            try:
+                tables = tomllib.loads(_git("show", f"{commit}:{name}").stdout)
+            except tomllib.TOMLDecodeError as exc:
+                problems.append(f"{name} at {commit[:12]}: not valid TOML ({exc})")
+                continue
+            for t, v in tables.items():
+                if isinstance(v, dict) and t != "target" and t not in mx.operators:
+                    problems.append(
+                        f"{name} at {commit[:12]}: [{t}] configures a kernel its matrix.toml does not judge"
+                    )
+    return [f"unjudged: {p}: it could ship unmeasured" for p in problems]
+
+
+def _schema_one(commit: str) -> bool:
+    """Does the commit's matrix.toml declare schema 1 (which grew keys without a version bump)?"""
+    import tomllib
+
+    try:
+        return tomllib.loads(_git("show", f"{commit}:matrix.toml").stdout).get("schema") == 1
+    except tomllib.TOMLDecodeError:
+        return False
 
 
 def _ancestors(commit: str) -> list[str]:
@@ -351,8 +398,15 @@ def _load_run(
     j.run = load(evidence.RunRecord, "run.json")
     j.build = load(evidence.BuildRecord, "build.json")
     j.corr = load(evidence.CorrectnessRecord, "correctness.json")
-    # Old runs (pytest's) have no fallback.json: their forced-fallback tests are in correctness.json.
-    j.legacy_fallback = not os.path.lexists(run.dir / "fallback.json") and j.corr is not None and bool(j.corr.tests)
+    # Old runs (pytest's, correctness schema 1) have no fallback.json: their forced-fallback tests are in
+    # correctness.json. A newer record never takes that path, whatever it holds.
+    old = j.corr is not None and j.corr.schema_ == 1
+    j.legacy_fallback = old and not os.path.lexists(run.dir / "fallback.json")
+    if old and not j.legacy_fallback:
+        j.problems.append(
+            f"record: {run.dir / 'correctness.json'}: a schema-1 (pytest) record beside a fallback.json: "
+            "two pilots' records in one run"
+        )
     if not j.legacy_fallback:
         j.fallback = load(evidence.FallbackRecord, "fallback.json")
     headers: list[tuple[str, evidence.Header | None]] = [
@@ -382,11 +436,12 @@ def _load_run(
             j.problems.append(
                 f"stack: the run was made with --allow-unpinned ({'; '.join(j.run.unpinned) or 'differences not recorded'})"
             )
-    if j.corr is not None and j.corr.pytest_exit is not None and j.corr.pytest_exit != 0:
-        j.problems.append(
-            f"correctness: {run.dir / 'correctness.json'}: the correctness run exited {j.corr.pytest_exit}, not 0"
-        )
-    elif j.corr is not None and j.corr.pytest_exit is None:
+    if j.corr is not None and j.corr.schema_ == 1:
+        if j.corr.pytest_exit != 0:
+            j.problems.append(
+                f"correctness: {run.dir / 'correctness.json'}: the correctness run exited {j.corr.pytest_exit}, not 0"
+            )
+    elif j.corr is not None:
         # The supervised children: a case that took one down is a failed case; one that ended
         # outside any case, or none at all, is a run that did not finish.
         last = j.corr.children[-1] if j.corr.children else None
@@ -421,6 +476,7 @@ class Gate:
     ancestors: list[str]
     all_cases: list[cases.Case] = field(default_factory=list)  # the matrix's, expanded once
     same_code: list[str] = field(default_factory=list)  # later commits that changed no code (_same_code)
+    unjudged: list[str] = field(default_factory=list)  # kernels the commit could ship unmeasured (_unjudged)
 
     def __post_init__(self) -> None:
         self.all_cases = self.all_cases or cases.expand(self.mx)
@@ -745,9 +801,15 @@ def _fallback(g: Gate, j: Judged) -> dict[str, Any]:
     return _fallback_legacy(g, j) if j.legacy_fallback else _fallback_record(g, j)
 
 
+# The dispatch-level reasons the fallback step forces through every operator's small case.
+DISPATCH_CHECKS = ("cpu-tensors/cpu", "config-framework/cuda", "compile-failed/cuda", "tilelang-missing/cuda")
+
+
 def _fallback_record(g: Gate, j: Judged) -> dict[str, Any]:
-    """fallback.json: every operator of the matrix has its checks expected, every expected check has
-    a result that passed, and on a GPU run every operator passed checks on the GPU (none skipped)."""
+    """fallback.json, judged against what the step must check, not only against its own list: per
+    operator of the matrix, the four dispatch reasons and each of its probes on the CPU and the GPU;
+    every such check expected once, its result (one, agreeing with its id) passed, none skipped on a
+    GPU run; no result outside the list, no failure the step reported, every child finished."""
     rec = j.fallback
     if rec is None:
         return {
@@ -757,14 +819,27 @@ def _fallback_record(g: Gate, j: Judged) -> dict[str, Any]:
         }
     path = (j.dir or Path()) / "fallback.json"
     problems: list[str] = []
-    listed = {e.operator for e in rec.expected}
+    for row in [*rec.expected, *rec.results]:
+        if row.id != f"{row.operator}/{row.probe}/{row.where}":
+            problems.append(
+                f"fallback: {path}: {row.id}: says operator {row.operator!r}, probe {row.probe!r}, {row.where}"
+            )
+    ids = [e.id for e in rec.expected]
+    for dup in sorted({i for i in ids if ids.count(i) > 1}):
+        problems.append(f"fallback: {path}: {dup}: expected twice")
+    want = set(ids)
     for op in g.mx.operators:
-        if op not in listed:
-            problems.append(f"fallback: {path}: no forced-fallback check of {op} was expected")
+        probes = {e.probe for e in rec.expected if e.operator == op} - {d.split("/")[0] for d in DISPATCH_CHECKS}
+        if not probes:
+            problems.append(f"fallback: {path}: no forced-fallback probe of {op} was expected")
+        must = {f"{op}/{d}" for d in DISPATCH_CHECKS} | {f"{op}/{p}/{w}" for p in probes for w in ("cpu", "cuda")}
+        problems += [f"fallback: {path}: {m}: not expected (every operator has it)" for m in sorted(must - want)]
     got: dict[str, evidence.FallbackRow] = {}
     for row in rec.results:
         if row.id in got:
             problems.append(f"fallback: {path}: {row.id}: two results for one check")
+        elif row.id not in want:
+            problems.append(f"fallback: {path}: {row.id}: a result of a check that was not expected")
         got[row.id] = row
     on_gpu: dict[str, int] = {}
     for e in rec.expected:
@@ -775,9 +850,17 @@ def _fallback_record(g: Gate, j: Judged) -> dict[str, Any]:
             problems.append(f"fallback: {e.id} {r.outcome}" + (f": {r.why.strip()[-200:]}" if r.why else ""))
         elif e.where == "cuda":
             on_gpu[e.operator] = on_gpu.get(e.operator, 0) + 1
+    failures = rec.model_extra.get("failures") if rec.model_extra else None
+    if failures:
+        problems.append(f"fallback: {path}: the step reported failure: {str(failures[0])[:200]}")
+    if not rec.children or any(c.exit != 0 for c in rec.children):
+        last = rec.children[-1] if rec.children else None
+        problems.append(
+            f"fallback: {path}: its child did not finish cleanly ({last.how if last else 'no child recorded'})"
+        )
     if rec.gpu_run:
         for op in g.mx.operators:
-            if op in listed and not on_gpu.get(op):
+            if not on_gpu.get(op):
                 problems.append(f"fallback: {op}: no forced-fallback check passed on the GPU")
     n = sum(on_gpu.values())
     summary = (
@@ -792,7 +875,7 @@ def _fallback_legacy(g: Gate, j: Judged) -> dict[str, Any]:
     if j.corr is None:
         return {"status": FAIL, "problems": ["fallback: no readable correctness record"], "summary": "no"}
     want, why = _fallback_expected(g.commit)
-    tests = {k: v for k, v in j.corr.tests.items() if "test_fallback.py::" in k}
+    tests = {k: v for k, v in j.corr.tests.items() if k.startswith("tests/test_fallback.py::")}
     problems = [f"fallback: {why}"] if why else []
     by_fn: dict[str, dict[str, str]] = {}
     for k, v in tests.items():
@@ -867,7 +950,8 @@ def check_device(g: Gate, device: str) -> dict[str, Any]:
             run, _ = _find_run(g.root, device, later)
             if run is not None:  # judged as that commit's run throughout: its records and asv results
                 code = g.commit
-                g = replace(g, commit=later, ancestors=_ancestors(later), same_code=[])
+                # The baselines stay the code commit's ancestors: a same-code commit is no baseline.
+                g = replace(g, commit=later, same_code=[])
                 return {**check_device(g, device), "same_code_as": code}
     except EvidenceError as exc:
         problems = [f"results: {exc}"]
@@ -881,6 +965,7 @@ def check_device(g: Gate, device: str) -> dict[str, Any]:
     if run is None:
         return _absent(g, device, unfinished)
     j = _load_run(g.root, run, device, g.commit, dev, ops, "model" in g.mx.pilot.metrics)
+    j.problems += g.unjudged
     every = {c.id for c in [*g.all_cases, *blockspec.model_kernel_cases(g.mx)]}
     for path, rec in ((run.dir / "correctness.json", j.corr), (run.dir / "build.json", j.build)):
         foreign = [r.case for r in rec.cases if r.case.split("/")[0] not in ops] if rec else []
@@ -1044,6 +1129,8 @@ def gate(
         try:
             mx = matrix.at_commit(commit, ROOT)
         except UserError as exc:
+            if not _schema_one(commit):  # only schema 1 grew keys unversioned: anything else is bad input
+                raise
             mx = matrix.load()
             matrix_note = f"{exc}: judged against the checkout's matrix.toml instead"
     if inject.active("internal", "gate"):  # the failure path of an internal error, for its test
@@ -1055,7 +1142,14 @@ def gate(
     if not root.is_dir():
         raise UserError(f"--results {root}: not a results folder (records/ and asv/ as a pilot writes them)")
     rev_sha = _git("rev-parse", "--verify", "--quiet", "--end-of-options", f"{rev}^{{commit}}").stdout.strip()
-    g = Gate(mx, root, commit, _ancestors(commit), same_code=_same_code(commit, rev_sha or commit))
+    g = Gate(
+        mx,
+        root,
+        commit,
+        _ancestors(commit),
+        same_code=_same_code(commit, rev_sha or commit),
+        unjudged=_unjudged(commit, mx),
+    )
     # The whole device matrix is shown; only the required devices decide.
     devices = [_relative({**check_device(g, d), "required": d in mx.gate.required}) for d in mx.devices]
     ok = all(d["status"] == PASS for d in devices if d["required"])
