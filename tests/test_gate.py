@@ -542,8 +542,6 @@ def new_format(tree: Path) -> Path:
     """The run as the pilot writes it now: correctness.json without pytest's `tests` and exit status
     (its supervised children instead), and the forced-fallback checks in their own fallback.json, every
     check of every matrix operator passed on the CPU and the GPU. Returns the run folder."""
-    from tilepilot import matrix
-
     rdir = run_dir(tree)
     corr = json.loads((rdir / "correctness.json").read_text())
     head = {k: v for k, v in corr.items() if k not in ("cases", "tests", "pytest_exit", "restarts", "kind")}
@@ -551,11 +549,13 @@ def new_format(tree: Path) -> Path:
         ("unsupported-dtype", "cpu"),
         ("unsupported-dtype", "cuda"),
         ("cpu-tensors", "cpu"),
+        ("config-framework", "cuda"),
         ("compile-failed", "cuda"),
+        ("tilelang-missing", "cuda"),
     )
     expected = [
         {"id": f"{op}/{probe}/{where}", "operator": op, "probe": probe, "where": where}
-        for op in matrix.load().operators
+        for op in matrix.at_commit(COMMIT, ROOT).operators
         for probe, where in checks
     ]
     record = {
@@ -570,6 +570,7 @@ def new_format(tree: Path) -> Path:
     def change(d: Any) -> None:
         del d["tests"], d["pytest_exit"]
         d["children"] = [{"exit": 0, "how": "finished"}]
+        d["schema"] = 2
 
     edit(rdir / "correctness.json", change)
     return rdir
@@ -599,8 +600,8 @@ def test_a_new_run_is_judged_by_its_fallback_record(tree: Path, tmp_path: Path) 
     fails(
         gate(tree, tmp_path),
         f"fallback: {first_op}/unsupported-dtype/cuda failed: fallback reasons {{}}, expected {{'x': 1}}",
-        f"fallback: {first_op}/compile-failed/cuda skipped",
-        "no forced-fallback check of attention was expected",
+        f"fallback: {first_op}/config-framework/cuda skipped",
+        "no forced-fallback probe of attention was expected",
     )
 
 

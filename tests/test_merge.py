@@ -401,10 +401,11 @@ def test_a_merge_process_killed_at_random_moments_is_finished_by_running_it_agai
             mid += kill_at(i, proc, release, (0.0, 1.2))
         # On a loaded machine the moments can all miss the writes (most of a merge is reading): a few
         # more, in the later part of the merge, until one lands mid-way.
-        while not mid and n < 40:
+        # Most of the merge is planning (reading every run folder): the writes come in its last part.
+        while not mid and n < 60:
             shutil.copytree(base, tmp_path / f"run{n}")
             started.append(_at_the_lock(cmd, tmp_path / f"run{n}"))
-            mid += kill_at(n, *started[-1], (0.3, 1.0))
+            mid += kill_at(n, *started[-1], (0.5, 1.0))
             n += 1
     finally:
         for proc, _ in started:  # a failure above leaves the others waiting for their locks

@@ -95,7 +95,8 @@ importing = [None]
 
 
 def note(key):
-    if importing[0] is None:
+    # A copy of the whole environment reads every key, none by name: not a read of a setting.
+    if importing[0] is None or copying[0]:
         return
     frame = sys._getframe(1)
     while frame is not None:
@@ -107,7 +108,17 @@ def note(key):
     reads.setdefault(where, set()).add(str(key))
 
 
+copying = [0]  # inside an iteration over the whole environment (a copy of it, as torch makes)
+
+
 class Recording(type(os.environ)):
+    def __iter__(self):
+        copying[0] += 1
+        try:
+            yield from super().__iter__()
+        finally:
+            copying[0] -= 1
+
     def __getitem__(self, key):
         note(key)
         return super().__getitem__(key)
