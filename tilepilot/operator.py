@@ -136,6 +136,14 @@ class Probe:
     run: Callable[[str], tuple[torch.Tensor, torch.Tensor]]
 
 
+def probe_tensor(*shape: int, dtype: Any = None, device: str = "cpu") -> torch.Tensor:
+    """A small seeded random tensor (float16 unless told) for a fallback probe's inputs."""
+    import torch
+
+    g = torch.Generator().manual_seed(sum(shape))
+    return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype or torch.float16).to(device)
+
+
 @dataclass(frozen=True)
 class Framework:
     """The framework op as it is timed: the call, and what the record should say about it (the

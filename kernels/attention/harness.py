@@ -6,16 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from tilepilot import registry
-from tilepilot.operator import Case, Framework, Operator, Probe, Tolerance
+from tilepilot.operator import Case, Framework, Operator, Probe, Tolerance, probe_tensor
 
 SHAPE = ("batch", "heads", "kv_heads", "seq_q", "seq_kv", "head_dim")
-
-
-def _rand(*shape: int, dtype: Any = None, device: str = "cpu") -> Any:
-    import torch
-
-    g = torch.Generator().manual_seed(sum(shape))
-    return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype or torch.float16).to(device)
 
 
 @registry.register
@@ -174,15 +167,15 @@ def reference(args):
         import kernels
 
         def dtype(where: str) -> tuple[Any, Any]:
-            q = _rand(1, 2, 16, 64, dtype=torch.float32, device=where)
+            q = probe_tensor(1, 2, 16, 64, dtype=torch.float32, device=where)
             return kernels.attention(q, q, q), F.scaled_dot_product_attention(q, q, q)
 
         def head_dim(where: str) -> tuple[Any, Any]:
-            q = _rand(1, 2, 16, 80, device=where)  # neither 64 nor 128
+            q = probe_tensor(1, 2, 16, 80, device=where)  # neither 64 nor 128
             return kernels.attention(q, q, q, causal=True), F.scaled_dot_product_attention(q, q, q, is_causal=True)
 
         def mask(where: str) -> tuple[Any, Any]:
-            q = _rand(1, 2, 8, 64, device=where)
+            q = probe_tensor(1, 2, 8, 64, device=where)
             m = torch.ones(8, 8, dtype=torch.bool, device=where).tril()
             return kernels.attention(q, q, q, attn_mask=m), F.scaled_dot_product_attention(q, q, q, attn_mask=m)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from tilepilot import registry
-from tilepilot.operator import Case, Framework, Operator, Probe, Tolerance
+from tilepilot.operator import Case, Framework, Operator, Probe, Tolerance, probe_tensor
 
 SHAPE = ("batch", "heads", "kv_heads", "seq_q", "cache_len", "head_dim")
 
@@ -16,13 +16,6 @@ def lengths(dims: dict[str, int]) -> list[int]:
     """The batch's cache lengths: evenly from min_len (the first sequence) to cache_len (the last)."""
     b, lo, hi = dims["batch"], dims["min_len"], dims["cache_len"]
     return [hi] if b == 1 else [round(lo + (hi - lo) * i / (b - 1)) for i in range(b)]
-
-
-def _rand(*shape: int, dtype: Any = None, device: str = "cpu") -> Any:
-    import torch
-
-    g = torch.Generator().manual_seed(sum(shape))
-    return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype or torch.float16).to(device)
 
 
 @registry.register
@@ -188,10 +181,10 @@ def reference(args):
         ref = self.kernel.reference
 
         def call(dtype: Any, d: int, lens_dtype: Any, where: str) -> tuple[Any, Any]:
-            q = _rand(2, 4, 1, d, dtype=dtype, device=where)
+            q = probe_tensor(2, 4, 1, d, dtype=dtype, device=where)
             k, v = (
-                _rand(2, 2, 40, d, dtype=dtype, device=where),
-                _rand(2, 2, 41, d, dtype=dtype, device=where)[:, :, 1:],
+                probe_tensor(2, 2, 40, d, dtype=dtype, device=where),
+                probe_tensor(2, 2, 41, d, dtype=dtype, device=where)[:, :, 1:],
             )
             v = v.contiguous()
             lens = torch.tensor([7, 40], dtype=lens_dtype, device=where)

@@ -5,16 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from tilepilot import registry
-from tilepilot.operator import Case, Framework, Operator, Probe, Tolerance
+from tilepilot.operator import Case, Framework, Operator, Probe, Tolerance, probe_tensor
 
 _DT = {"float16": "float16", "bfloat16": "bfloat16"}
-
-
-def _rand(*shape: int, dtype: Any = None, device: str = "cpu") -> Any:
-    import torch
-
-    g = torch.Generator().manual_seed(sum(shape))
-    return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype or torch.float16).to(device)
 
 
 @registry.register
@@ -113,15 +106,18 @@ def reference(args):
         import kernels
 
         def dtype(where: str) -> tuple[Any, Any]:
-            a, b = _rand(64, 96, dtype=torch.float32, device=where), _rand(32, 96, dtype=torch.float32, device=where)
+            a, b = (
+                probe_tensor(64, 96, dtype=torch.float32, device=where),
+                probe_tensor(32, 96, dtype=torch.float32, device=where),
+            )
             return kernels.gemm(a, b, trans_b=True), torch.matmul(a, b.t())
 
         def shape(where: str) -> tuple[Any, Any]:
-            a, b = _rand(2, 64, 96, device=where), _rand(96, 32, device=where)
+            a, b = probe_tensor(2, 64, 96, device=where), probe_tensor(96, 32, device=where)
             return kernels.gemm(a, b), torch.matmul(a, b)
 
         def strided(where: str) -> tuple[Any, Any]:
-            a, b = _rand(96, 64, device=where).t(), _rand(96, 32, device=where)
+            a, b = probe_tensor(96, 64, device=where).t(), probe_tensor(96, 32, device=where)
             return kernels.gemm(a, b), torch.matmul(a, b)
 
         return [
