@@ -371,6 +371,33 @@ class ModelSide(Side):
     rel_fro: NonNegative
 
 
+class Breakdown(_View):
+    """One variant's profile: milliseconds and share of the measured latency per group of the block."""
+
+    calls: Annotated[int, Field(ge=1)]
+    ms: dict[str, NonNegative]
+    shares: dict[str, NonNegative]
+    span_ms: Positive
+    measured_ms: Positive
+    coverage: Positive
+
+
+class Prediction(_View):
+    predicted: Positive
+    measured: Positive
+
+
+class CompileCall(_View):
+    first_call_s: Positive
+    graphs: Annotated[int, Field(ge=0)]
+
+
+class Compile(_View):
+    mode: str
+    compiled: CompileCall
+    shipped_compiled: CompileCall
+
+
 class ModelCase(_View):
     agrees: bool
     tolerance: Positive
@@ -379,6 +406,15 @@ class ModelCase(_View):
     framework: ModelSide
     shipped: ModelSide
     tilelang: ModelSide
+    # Model schema 2 (both phases, compiled references, breakdown); None in schema-1 records.
+    compiled: ModelSide | None = None
+    shipped_compiled: ModelSide | None = None
+    compile: Compile | None = None
+    reference: Literal["framework", "compiled"] | None = None
+    best_shipped: Literal["shipped", "shipped_compiled"] | None = None
+    speedup_vs_reference: Positive | None = None
+    breakdown: dict[str, Breakdown] | None = None
+    amdahl: dict[str, Prediction] | None = None
 
 
 class ModelRecord(_CaseRecord):

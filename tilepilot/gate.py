@@ -733,9 +733,86 @@ def _regression(g: Gate, cid: str, cur: AsvResult | None, am: AsvMachine | None)
     return "ok", ""
 
 
+def evidence_sides(m: evidence.ModelCase) -> list[str]:
+    """The ways the record ran the block: the eager three, and the compiled two where it has them."""
+    return [
+        n for n in ("framework", "compiled", "shipped", "shipped_compiled", "tilelang") if getattr(m, n) is not None
+    ]
+
+
+def _model_evidence(mx: matrix.Matrix, m: evidence.ModelCase, key: str, path: Path) -> list[str]:
+    """What one block configuration's record must hold and how its numbers must agree with each other."""
+    bad: list[str] = []
+    med = {n: getattr(m, n).median_ms for n in evidence_sides(m)}
+    for name, sp, side in (("shipped", m.speedup_shipped, "shipped"), ("tilelang", m.speedup_tilelang, "tilelang")):
+        if not math.isclose(sp, med["framework"] / med[side], rel_tol=1e-6):
+            bad.append(f"{path}: {key}: speedup_{name} {sp:.6g} is not framework/{name}")
+    if mx.model.compile:
+        need = ("compiled", "shipped_compiled", "compile", "reference", "best_shipped", "speedup_vs_reference")
+        missing = [f for f in need if getattr(m, f) is None]
+        if missing:
+            return [*bad, f"{path}: {key}: no {', '.join(missing)} (the matrix asks for compiled references)"]
+        ref = min(("framework", "compiled"), key=lambda n: med[n])
+        best = min(("shipped", "shipped_compiled"), key=lambda n: med[n])
+        if (m.reference, m.best_shipped) != (ref, best):
+            bad.append(f"{path}: {key}: reference {m.reference}/best {m.best_shipped} are not the faster forms")
+        elif not math.isclose(m.speedup_vs_reference or 0, med[ref] / med[best], rel_tol=1e-6):
+            bad.append(f"{path}: {key}: speedup_vs_reference is not {ref}/{best}")
+        if m.compile is not None and m.compile.mode != mx.model.compile:
+            bad.append(f"{path}: {key}: compiled in mode {m.compile.mode!r}, the matrix asks {mx.model.compile!r}")
+    if not mx.model.compile and mx.model.decode is None:
+        return bad  # a matrix from before the breakdown: its runs had none to judge
+    if m.breakdown is None or m.amdahl is None:
+        return [*bad, f"{path}: {key}: no breakdown or Amdahl prediction (where the block's time goes)"]
+    for v in ("framework", "tilelang", *(["compiled"] if mx.model.compile else [])):
+        b = m.breakdown.get(v)
+        if b is None:
+            bad.append(f"{path}: {key}: no breakdown of the {v} block")
+        elif not math.isclose(b.measured_ms, med[v], rel_tol=1e-6):
+            bad.append(f"{path}: {key}: the {v} breakdown is set against {b.measured_ms:.6g} ms, not the median")
+    for v in ("shipped", "tilelang"):
+        a = m.amdahl.get(v)
+        if a is None:
+            bad.append(f"{path}: {key}: no Amdahl prediction for the {v} block")
+        elif not math.isclose(a.measured, med["framework"] / med[v], rel_tol=1e-6):
+            bad.append(f"{path}: {key}: the {v} block's measured gain is not framework/{v}")
+    return bad
+
+
+def _model_verdict(mx: matrix.Matrix, m: evidence.ModelCase, key: str, floor: float) -> str:
+    """Output agreement, then latency against the eager framework block and against the stronger
+    reference, then peak memory."""
+    tol = mx.model.tolerance[key.rsplit("/", 1)[-1]]  # type: ignore[index]
+    sides = evidence_sides(m)
+    worst = max(sides, key=lambda n: getattr(m, n).rel_fro)
+    if not m.agrees or getattr(m, worst).rel_fro > tol:
+        return f"FAIL output: {worst} rel. error {getattr(m, worst).rel_fro:.2e} > {tol:.0e}"
+    if m.speedup_shipped < floor:
+        return f"FAIL shipped {m.speedup_shipped:.3f}x < {floor:.2f}x of the framework block"
+    if m.speedup_vs_reference is not None and m.speedup_vs_reference < floor:
+        return (
+            f"FAIL shipped ({m.best_shipped}) {m.speedup_vs_reference:.3f}x < {floor:.2f}x of the stronger "
+            f"reference ({m.reference})"
+        )
+    factor = mx.model.peak_memory_factor
+    if factor is not None:
+        for ship, ref in (("shipped", "framework"), ("shipped_compiled", "compiled")):
+            if ship in sides and getattr(m, ship).peak_mib > factor * getattr(m, ref).peak_mib:
+                return (
+                    f"FAIL {ship} peak {getattr(m, ship).peak_mib:.1f} MiB > {factor:.2f}x the {ref} block's "
+                    f"{getattr(m, ref).peak_mib:.1f} MiB"
+                )
+    against = f"; vs {m.reference}: {m.speedup_vs_reference:.3f}x ({m.best_shipped})" if m.reference else ""
+    return (
+        f"shipped {m.speedup_shipped:.3f}x{against} (TileLang everywhere: {m.speedup_tilelang:.2f}x), "
+        f"rel. error {m.shipped.rel_fro:.1e}"
+    )
+
+
 def _model(g: Gate, j: Judged, asv_cur: AsvResult | None) -> dict[str, Any]:
-    """The block's output agreement (against the matrix's tolerance) and the shipped block's latency
-    against the framework block."""
+    """Per block configuration (both phases): the record's numbers agree with each other and with
+    asv, the outputs with the matrix's tolerance, the shipped block's latency with the eager framework
+    block and with the stronger of the eager and compiled references, its peak memory with the limit."""
     mx = g.mx
     if "model" not in mx.pilot.metrics:
         return {"status": PASS, "problems": [], "shapes": {}, "why": "not a pilot metric"}
@@ -763,26 +840,14 @@ def _model(g: Gate, j: Judged, asv_cur: AsvResult | None) -> dict[str, Any]:
             shapes[key] = f"FAIL evidence: {exc.what}"
             problems.append(f"model: {exc}")
             continue
-        sides = {"track_framework_ms": m.framework, "track_shipped_ms": m.shipped, "track_tilelang_ms": m.tilelang}
-        bad = _asv_agreement(asv_cur, key, path, sides, j)
-        for name, sp, side in (("shipped", m.speedup_shipped, m.shipped), ("tilelang", m.speedup_tilelang, m.tilelang)):
-            if not math.isclose(sp, m.framework.median_ms / side.median_ms, rel_tol=1e-6):
-                bad.append(f"{path}: {key}: speedup_{name} {sp:.6g} is not framework/{name}")
+        bad = _model_evidence(mx, m, key, path)
+        sides = {f"track_{n}_ms": getattr(m, n) for n in evidence_sides(m)}
+        bad += _asv_agreement(asv_cur, key, path, sides, j)
         if bad:
             shapes[key] = "FAIL evidence: " + bad[0].split(": ", 1)[-1]
             problems += [f"model: {b}" for b in bad]
             continue
-        tol = mx.model.tolerance[key.rsplit("/", 1)[-1]]  # type: ignore[index]
-        worst = max(("framework", "shipped", "tilelang"), key=lambda n: getattr(m, n).rel_fro)
-        if not m.agrees or getattr(m, worst).rel_fro > tol:
-            shapes[key] = f"FAIL output: {worst} rel. error {getattr(m, worst).rel_fro:.2e} > {tol:.0e}"
-        elif m.speedup_shipped < floor:
-            shapes[key] = f"FAIL shipped {m.speedup_shipped:.3f}x < {floor:.2f}x of the framework block"
-        else:
-            shapes[key] = (
-                f"shipped {m.speedup_shipped:.3f}x (TileLang everywhere: {m.speedup_tilelang:.2f}x), "
-                f"rel. error {m.shipped.rel_fro:.1e}"
-            )
+        shapes[key] = _model_verdict(mx, m, key, floor)
         if shapes[key].startswith("FAIL"):
             problems.append(f"model: {key}: {shapes[key].removeprefix('FAIL ')}")
     return {"status": FAIL if problems else PASS, "problems": problems, "shapes": shapes}

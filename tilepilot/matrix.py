@@ -187,8 +187,17 @@ class Device(_Strict):
         return self
 
 
+class Decode(_Strict):
+    """The block's decode phase: one new token per sequence against a KV cache of ragged lengths."""
+
+    batch: Annotated[list[PositiveInt], Field(min_length=1)]
+    cache: Annotated[list[Annotated[int, Field(ge=2)]], Field(min_length=1)]  # the longest sequence's length
+    dtypes: Annotated[list[Dtype], Field(min_length=1)]
+
+
 class Model(_Strict):
-    """The model-level metric: one Llama-style decoder block, framework ops against kernels."""
+    """The model-level metric: one Llama-style decoder block, framework ops against kernels, in
+    prefill (`tokens`) and decode (`decode`), eager and under torch.compile."""
 
     kind: Literal["llama-decoder-block"]
     hidden: PositiveInt
@@ -201,6 +210,12 @@ class Model(_Strict):
     seed: int
     max_slowdown: Annotated[float, Field(ge=0, lt=1)]
     tolerance: dict[Dtype, Annotated[float, Field(gt=0)]]
+    # Absent in matrices before the decode phase and the compiled reference (their runs had neither).
+    decode: Decode | None = None
+    # torch.compile's mode for the compiled references; "" = no compiled reference.
+    compile: Literal["", "default", "max-autotune-no-cudagraphs"] = ""
+    # The shipped block's peak memory at most this times the framework block's (None: not judged).
+    peak_memory_factor: Annotated[float, Field(ge=1.0)] | None = None
 
     @model_validator(mode="after")
     def _shape(self) -> Model:
@@ -208,7 +223,7 @@ class Model(_Strict):
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         if self.heads * self.head_dim != self.hidden:
             raise ValueError(f"heads x head_dim ({self.heads * self.head_dim}) must equal hidden ({self.hidden})")
-        missing = [d for d in self.dtypes if d not in self.tolerance]
+        missing = [d for d in [*self.dtypes, *(self.decode.dtypes if self.decode else [])] if d not in self.tolerance]
         if missing:
             raise ValueError(f"no tolerance for dtype {', '.join(missing)}")
         return self

@@ -795,6 +795,10 @@ def pilot(
         },
     )
     print(summary_table(run, sel), file=_TERM, flush=True)
+    if (run.dir / "model.json").exists():
+        from tilepilot import breakdown
+
+        print(breakdown.tables(record.read_json(run.dir / "model.json", "model")["cases"]), file=_TERM, flush=True)
     say(f"done in {run.timings['total_s']:.0f}s: " + ", ".join(f"{k}={v:.0f}" for k, v in run.timings.items()))
     say(f"record: {_rel(run.dir)}")
     if run.on_gpu:

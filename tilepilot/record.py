@@ -24,7 +24,8 @@ ROOT = paths.ROOT
 # (tests use a copy; merges use a staging tree), read when a command runs.
 # Each record kind's schema, bumped when its fields change meaning; readers accept the versions in
 # READABLE (the committed history stays readable). correctness 2: the harness's supervised children
-# (`children`), no longer pytest's exit status and node ids (`pytest_exit`, `tests`).
+# (`children`), no longer pytest's exit status and node ids (`pytest_exit`, `tests`). model 2: both
+# phases (prefill, decode), the compiled references, the breakdown and the Amdahl prediction.
 SCHEMAS = {
     "run": 1,
     "build": 1,
@@ -32,11 +33,11 @@ SCHEMAS = {
     "fallback": 1,
     "measure": 1,
     "measure-all": 1,
-    "model": 1,
+    "model": 2,
     "tune": 1,
     "submission": 1,
 }
-READABLE = {**{k: (v,) for k, v in SCHEMAS.items()}, "correctness": (1, 2)}
+READABLE = {**{k: (v,) for k, v in SCHEMAS.items()}, "correctness": (1, 2), "model": (1, 2)}
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 
