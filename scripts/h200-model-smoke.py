@@ -1,0 +1,45 @@
+"""The model step (tilepilot.model.measure_model) on small shapes: every variant, compile, profile and
+breakdown path of both phases in about a minute, before a pilot spends ten on the full sizes.
+
+    PYTHONPATH=$PWD python3 scripts/h200-model-smoke.py [OUT.json]
+
+Prefill at 512 tokens (bf16) and decode at batch 1 and 8 against a 2048-token cache (bf16); prints the
+pilot's breakdown tables and exits 1 when a configuration errors or disagrees.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tilepilot import breakdown, matrix, model
+
+
+def main() -> int:
+    mx = matrix.load()
+    assert mx.model.decode is not None, "matrix.toml [model] has no decode phase"
+    small = mx.model.model_copy(
+        update={
+            "tokens": [512],
+            "dtypes": ["bfloat16"],
+            "decode": mx.model.decode.model_copy(update={"batch": [1, 8], "cache": [2048]}),
+        }
+    )
+    t = time.perf_counter()
+    data = model.measure_model(mx.model_copy(update={"model": small}), "sm90", None)
+    print(f"model step: {time.perf_counter() - t:.1f} s")
+    if len(sys.argv) > 1:
+        Path(sys.argv[1]).write_text(json.dumps(data, indent=1))
+    print(breakdown.tables(data["cases"]))
+    bad = {k: c.get("error", "disagrees") for k, c in data["cases"].items() if "error" in c or not c.get("agrees")}
+    for k, why in bad.items():
+        print(f"FAIL {k}: {why}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
