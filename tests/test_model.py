@@ -147,6 +147,29 @@ def test_breakdown_groups_a_cpu_profile_of_the_block() -> None:
     }
 
 
+def test_device_kernels_are_grouped_by_the_op_that_launched_them() -> None:
+    """On a GPU each kernel comes from kineto with the id of the CPU op that launched it: grouped by
+    that op's region, as the CPU profile's ops are. Here the kernels are placed on a real CPU profile's
+    GEMM ops (a CPU run has no device kernels: device_kernels finds none)."""
+    from torch.profiler import ProfilerActivity, record_function
+
+    s = model.Setup(SMALL, BlockConfig("prefill", "bfloat16", tokens=32), "cpu")
+    call = s.eager("framework")
+    with model._profiling(), torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function(f"{breakdown.CALL}7"):
+            call()
+    assert breakdown.device_kernels(prof) == []
+    events = prof.events()
+    mms = [e for e in events if e.name in ("aten::mm", "aten::addmm", "aten::linear")]
+    assert mms
+    fake = [breakdown.Kernel("sm90_xmma_gemm", 10.0 * i, 10.0 * i + 4, e.id) for i, e in enumerate(mms)]
+    fake.append(breakdown.Kernel("orphan", 0.0, 1.0, 10**9))  # launched by no op we saw: left out
+    sl = breakdown.slices_from(events, fake)
+    assert {x.call for x in sl} == {7} and len(sl) == len(mms)
+    assert {breakdown.group_of(x) for x in sl} == {f"gemm:{g}" for g in breakdown.GEMMS}
+    assert all(x.dur_us == 4.0 for x in sl)
+
+
 def _slice(call: int, name: str, start: float, lid: int, region: str = "", launcher: str = "") -> breakdown.Slice:
     return breakdown.Slice(call, name, start, start + 1.0, 1.0, region, launcher or name, lid)
 

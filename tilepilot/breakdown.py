@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 CALL = "tilepilot::call/"
 REGION = "tilepilot::"
@@ -140,9 +140,31 @@ def amdahl(shares: dict[str, float], speedups: dict[str, float]) -> float:
     return 1.0 / (rest + sum(shares[g] / x for g, x in speedups.items()))
 
 
-def slices_from(events: Any, on_gpu: bool) -> list[Slice]:
-    """The slices of a torch.profiler run (prof.events()): its GPU kernels and copies, or on the
-    CPU every op's self time; only those inside a `tilepilot::call/<n>` range."""
+class Kernel(NamedTuple):
+    """A device kernel (or copy) as the profiler saw it: `link` is the id of the CPU op that launched it."""
+
+    name: str
+    start_us: float
+    end_us: float
+    link: int
+
+
+def device_kernels(prof: Any) -> list[Kernel]:
+    """The device activity of a torch.profiler run, each with the CPU op that launched it. Read from
+    kineto's own events: FunctionEvent carries the link only from torch 2.12 on, kineto always has."""
+    from torch.autograd import DeviceType
+
+    return [
+        Kernel(e.name(), e.start_ns() / 1e3, e.end_ns() / 1e3, e.linked_correlation_id())
+        for e in prof.profiler.kineto_results.events()
+        if e.device_type() == DeviceType.CUDA and e.linked_correlation_id() > 0
+    ]
+
+
+def slices_from(events: Any, kernels: list[Kernel] | None) -> list[Slice]:
+    """The slices of a torch.profiler run (prof.events(), and device_kernels(prof) on a GPU): its
+    GPU kernels and copies, or without kernels every CPU op's self time; only those inside a
+    `tilepilot::call/<n>` range."""
     from torch.autograd import DeviceType
 
     cpu = [e for e in events if e.device_type == DeviceType.CPU]
@@ -155,17 +177,17 @@ def slices_from(events: Any, on_gpu: bool) -> list[Slice]:
             e = e.cpu_parent
         return out
 
+    timed: list[tuple[str, float, float, float, Any]] = []  # name, start, end, duration, launching op
+    if kernels is not None:
+        timed = [(k.name, k.start_us, k.end_us, k.end_us - k.start_us, by_id.get(k.link)) for k in kernels]
+    else:
+        timed = [
+            (e.name, e.time_range.start, e.time_range.end, e.self_cpu_time_total, e)
+            for e in cpu
+            if not e.name.startswith(REGION)
+        ]
     out: list[Slice] = []
-    for e in events:
-        if on_gpu:
-            if e.device_type != DeviceType.CUDA:
-                continue
-            anchor = by_id.get(e.linked_correlation_id)
-            dur = e.time_range.end - e.time_range.start
-        else:
-            if e.device_type != DeviceType.CPU or e.name.startswith(REGION):
-                continue
-            anchor, dur = e, e.self_cpu_time_total
+    for name, start, end, dur, anchor in timed:
         if anchor is None or dur <= 0:
             continue
         up = chain(anchor)
@@ -177,9 +199,9 @@ def slices_from(events: Any, on_gpu: bool) -> list[Slice]:
         out.append(
             Slice(
                 call=int(calls[0].name[len(CALL) :]),
-                name=e.name,
-                start_us=float(e.time_range.start),
-                end_us=float(e.time_range.end),
+                name=name,
+                start_us=float(start),
+                end_us=float(end),
                 dur_us=float(dur),
                 region=region,
                 launcher=" < ".join(a.name for a in below if not a.name.startswith(REGION)),

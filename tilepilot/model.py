@@ -500,7 +500,7 @@ def profile(
             if on_gpu:
                 torch.cuda.synchronize()
     out: dict[str, list[breakdown.Slice]] = {name: [] for name in names}
-    for sl in breakdown.slices_from(prof.events(), on_gpu):
+    for sl in breakdown.slices_from(prof.events(), breakdown.device_kernels(prof) if on_gpu else None):
         out[names[sl.call // 1000]].append(sl)
     return out
 
