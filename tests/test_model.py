@@ -168,6 +168,15 @@ def test_device_kernels_are_grouped_by_the_op_that_launched_them() -> None:
     assert {x.call for x in sl} == {7} and len(sl) == len(mms)
     assert {breakdown.group_of(x) for x in sl} == {f"gemm:{g}" for g in breakdown.GEMMS}
     assert all(x.dur_us == 4.0 for x in sl)
+    # A driver-API launch (TileLang's) has no link: the op around its launch time, on its thread, took it.
+    mm = mms[-1]
+    mid = (mm.time_range.start + mm.time_range.end) / 2
+    driver = [
+        breakdown.Kernel("main_kernel", 0.0, 2.0, 0, mid, mm.thread),
+        breakdown.Kernel("main_kernel", 0.0, 2.0, 0, mid, mm.thread + 1),  # another thread: nobody's
+    ]
+    (got,) = breakdown.slices_from(events, driver)
+    assert got.call == 7 and breakdown.group_of(got) == "gemm:down" and got.launcher.startswith(mm.name)
 
 
 def _slice(call: int, name: str, start: float, lid: int, region: str = "", launcher: str = "") -> breakdown.Slice:

@@ -14,6 +14,7 @@ Per call: each group's time, the time the device was idle between the block's fi
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
@@ -140,25 +141,45 @@ def amdahl(shares: dict[str, float], speedups: dict[str, float]) -> float:
     return 1.0 / (rest + sum(shares[g] / x for g, x in speedups.items()))
 
 
+_API = re.compile(r"^cu(da)?[A-Z]")
+
+
 class Kernel(NamedTuple):
-    """A device kernel (or copy) as the profiler saw it: `link` is the id of the CPU op that launched it."""
+    """A device kernel (or copy) as the profiler saw it, and what launched it: `link`, the id of the
+    CPU op, where the profiler linked them; else (link 0) the launching API call's time on the
+    trace's clock (µs, as the ops' time ranges) and thread, to find the op around it."""
 
     name: str
     start_us: float
     end_us: float
     link: int
+    launch_us: float = -1.0
+    thread: int = 0
 
 
 def device_kernels(prof: Any) -> list[Kernel]:
-    """The device activity of a torch.profiler run, each with the CPU op that launched it. Read from
-    kineto's own events: FunctionEvent carries the link only from torch 2.12 on, kineto always has."""
+    """The device activity of a torch.profiler run, each with what launched it. Read from kineto's
+    own events: FunctionEvent carries the link only from torch 2.12 on. A kernel launched through
+    the driver API (TileLang's cuLaunchKernel) has no link at all: its API call, which shares its
+    correlation id, says when and on which thread it was launched."""
     from torch.autograd import DeviceType
 
-    return [
-        Kernel(e.name(), e.start_ns() / 1e3, e.end_ns() / 1e3, e.linked_correlation_id())
-        for e in prof.profiler.kineto_results.events()
-        if e.device_type() == DeviceType.CUDA and e.linked_correlation_id() > 0
-    ]
+    res = prof.profiler.kineto_results
+    events = res.events()
+    t0 = res.trace_start_ns()
+    api = {e.correlation_id(): e for e in events if e.device_type() == DeviceType.CPU and _API.match(e.name())}
+    out = []
+    for e in events:
+        if e.device_type() != DeviceType.CUDA or e.name().startswith(REGION):  # skip annotations' GPU spans
+            continue
+        link, at, thread = e.linked_correlation_id(), -1.0, 0
+        if link <= 0:
+            call = api.get(e.correlation_id())
+            if call is None:
+                continue
+            at, thread = (call.start_ns() - t0) / 1e3, call.start_thread_id()
+        out.append(Kernel(e.name(), e.start_ns() / 1e3, e.end_ns() / 1e3, max(link, 0), at, thread))
+    return out
 
 
 def slices_from(events: Any, kernels: list[Kernel] | None) -> list[Slice]:
@@ -168,7 +189,9 @@ def slices_from(events: Any, kernels: list[Kernel] | None) -> list[Slice]:
     from torch.autograd import DeviceType
 
     cpu = [e for e in events if e.device_type == DeviceType.CPU]
-    by_id = {e.id: e for e in cpu}
+    # Ops only: a CUDA API event (cudaLaunchKernel, cuLaunchKernel) carries CUPTI's correlation id,
+    # another numbering than the ops' ids that kernels link to.
+    by_id = {e.id: e for e in cpu if not _API.match(e.name)}
 
     def chain(e: Any) -> list[Any]:
         out = []
@@ -179,7 +202,16 @@ def slices_from(events: Any, kernels: list[Kernel] | None) -> list[Slice]:
 
     timed: list[tuple[str, float, float, float, Any]] = []  # name, start, end, duration, launching op
     if kernels is not None:
-        timed = [(k.name, k.start_us, k.end_us, k.end_us - k.start_us, by_id.get(k.link)) for k in kernels]
+        ops = sorted(by_id.values(), key=lambda e: e.time_range.start)
+
+        def launcher(k: Kernel) -> Any:
+            if k.link:
+                return by_id.get(k.link)
+            # The innermost op around the launch: of those containing it, the one that began last.
+            around = [e for e in ops if e.thread == k.thread and e.time_range.start <= k.launch_us <= e.time_range.end]
+            return around[-1] if around else None
+
+        timed = [(k.name, k.start_us, k.end_us, k.end_us - k.start_us, launcher(k)) for k in kernels]
     else:
         timed = [
             (e.name, e.time_range.start, e.time_range.end, e.self_cpu_time_total, e)

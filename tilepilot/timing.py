@@ -149,10 +149,13 @@ class _Side:
         torch.cuda.synchronize()
 
     def run_batch(self, flush: L2Flush, clocks: Clocks, hold_per_sample_s: float, hz: float) -> None:
-        n = min(self.batch, self.policy.max_samples - len(self.samples))
         # Hold the GPU back while the host queues the whole batch (nvbench's blocking kernel):
         # otherwise a short kernel is timed waiting for its own launch, and the "latency" of a
-        # 5 us kernel is the Python call that launched it.
+        # 5 us kernel is the Python call that launched it. A batch is never longer than the hold
+        # can cover: a launch-bound call (a decode block, 1-4 ms of Python for 0.2 ms of GPU work)
+        # in doubled batches outran it and gave bimodal medians (H200, 8a45d09).
+        fits = max(1, int(self.policy.max_hold_s / (hold_per_sample_s * 1.5)))
+        n = min(self.batch, fits, self.policy.max_samples - len(self.samples))
         hold = min(self.policy.max_hold_s, n * hold_per_sample_s * 1.5)
         t0 = time.perf_counter()
         torch.cuda._sleep(int(hold * hz))
