@@ -900,3 +900,19 @@ def test_only_a_schema_1_matrix_is_replaced_when_unreadable() -> None:
 
     assert gate_mod._schema_one("27a99ec7da41774f105d3b92df78c303d13c54af")
     assert not gate_mod._schema_one(NEW)
+
+
+def test_every_timed_form_of_the_block_is_read_from_asv() -> None:
+    """Each way the model step times the block has an asv latency track, and the gate reads it from
+    a committed H200 run: a track the gate skipped read as missing and failed every block (fbdaa51)."""
+    from benchmarks import bench_model
+    from tilepilot import gate
+
+    forms = ("framework", "compiled", "shipped", "shipped_compiled", "tilelang")
+    assert {f"track_{f}_ms" for f in forms} <= set(gate.LATENCY_TRACKS)
+    assert all(hasattr(bench_model.TrackModel, f"track_{f}_ms") for f in forms)
+    (path,) = (ROOT / "results" / "asv" / MACHINE).glob("fbdaa513-*.json")
+    res = gate._load_asv(path, ROOT, MACHINE)
+    for f in forms:
+        value, samples = res.get(f"track_{f}_ms", "model/llama-decode-b8-c4096/bfloat16") or (None, None)
+        assert isinstance(value, float) and 0 < value < 10 and len(samples) >= 30, f

@@ -48,6 +48,8 @@ LATENCY_TRACKS = (
     "track_reference_ms",
     "track_framework_ms",
     "track_shipped_ms",
+    "track_compiled_ms",
+    "track_shipped_compiled_ms",
     "track_tilelang_ms",
 )
 
