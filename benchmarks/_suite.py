@@ -36,6 +36,16 @@ def model_ids() -> list[str]:
     return blockspec.model_ids(matrix.load())
 
 
+def operator_ids() -> list[str]:
+    """The matrix's operators: the overhead suite's parameter (torch-free, as case_ids)."""
+    return list(matrix.load().operators)
+
+
+def overhead_key(op: str) -> str:
+    """The name an operator's overhead entry is filed under in setup_cache's folder (no case id has a colon)."""
+    return f"overhead:{op}"
+
+
 def _measure_to_folder() -> str:
     """Measure everything once; hand asv a folder with one small file per case. asv pickles what
     setup_cache returns and unpickles it in every track call: a path, not every sample of every case."""
@@ -56,6 +66,9 @@ def _measure_to_folder() -> str:
     for part in data.values():
         if not isinstance(part, dict):
             continue
+        if isinstance(part.get("overhead"), dict) and isinstance(part.get("op"), str):
+            name = hashlib.sha1(overhead_key(part["op"]).encode()).hexdigest() + ".json"
+            (where / name).write_text(json.dumps(part["overhead"]), encoding="utf-8")
         for case, res in part.get("cases", {}).items():
             res = {**res, "compile": part.get("compile", {}).get(case, {})}
             name = hashlib.sha1(case.encode()).hexdigest() + ".json"

@@ -5,9 +5,11 @@ y = gemm(x, w, trans_b=True)            # x @ w.T, as nn.Linear
 o = attention(q, k, v, causal=True)     # as F.scaled_dot_product_attention
 o = decode_attention(q, k_cache, v_cache, cache_seqlens)  # one decode step over a KV cache
 with use_backend("tilelang"): ...       # what shipping every configured kernel would give
+clear_caches()                          # after writing kernels/configs/: forget parsed files and choices
 """
 
 from kernels._config import use_backend
+from kernels._dispatch import clear_caches
 from kernels._fallback import clear as clear_fallback_reasons
 from kernels._fallback import reasons as fallback_reasons
 from kernels.attention import attention
@@ -16,6 +18,7 @@ from kernels.gemm import gemm
 
 __all__ = [
     "attention",
+    "clear_caches",
     "clear_fallback_reasons",
     "decode_attention",
     "fallback_reasons",

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
+import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,29 +31,74 @@ class Choice:
 
 TUNED_DIR = CONFIG_DIR / "tuned"
 
+# The caches behind the shipped path, which must not touch the disk per call (issue 20: scanning
+# configs/ and walking every rule cost ~30 µs a call). Parsed files are kept per path with their
+# (mtime_ns, size); load() and load_tuned() re-read a file whose stamp changed. What is derived from
+# the files (device per capability, target, choice per facts) is memoized and dropped whenever a
+# file is re-read or clear_caches() is called: the per-call path does no stat, so an edit on disk
+# reaches it at the next load()/choose()/clear_caches(), as functools.cache's load() did before.
+_files: dict[str, tuple[tuple[int, int] | None, dict[str, Any] | None]] = {}
+_by_capability: dict[tuple[int, int], str | None] = {}
+_targets: dict[str, dict[str, str]] = {}
+_choices: dict[tuple[Any, ...], Choice] = {}
+_MAX_CHOICES = 4096  # distinct (device, op, facts, forced) keys kept; past it the memo starts over
+_cache_lock = threading.Lock()
 
-@functools.cache
+
+def clear_caches() -> None:
+    """Forget every parsed config and every memoized resolution (tests that write config files, a
+    tuner that rewrote configs/tuned/)."""
+    with _cache_lock:
+        _files.clear()
+        _clear_derived()
+
+
+def _clear_derived() -> None:
+    _by_capability.clear()
+    _targets.clear()
+    _choices.clear()
+
+
+def _read(path: str) -> dict[str, Any] | None:
+    """The parsed TOML file (None if absent), re-read when its mtime or size changed. A str path and
+    os.stat: pathlib's join and stat cost several µs more, and choose() reads two files a call."""
+    try:
+        st = os.stat(path)
+        stamp: tuple[int, int] | None = (st.st_mtime_ns, st.st_size)
+    except FileNotFoundError:
+        stamp = None
+    hit = _files.get(path)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    parsed = tomllib.loads(Path(path).read_text(encoding="utf-8")) if stamp is not None else None
+    with _cache_lock:
+        if hit is not None:  # the file changed under the memo: what was derived from it goes
+            _clear_derived()
+        _files[path] = (stamp, parsed)
+    return parsed
+
+
 def load(device: str) -> dict[str, Any] | None:
-    path = CONFIG_DIR / f"{device}.toml"
-    if not path.exists():
-        return None
-    return tomllib.loads(path.read_text(encoding="utf-8"))
+    return _read(f"{CONFIG_DIR}/{device}.toml")
 
 
-@functools.cache
 def load_tuned(device: str) -> dict[str, Any]:
     """Autotuned winners (`nox -s tune-<device>` writes configs/tuned/<device>.toml): per exact case,
     the config that beat the pinned one, re-checked for correctness. They change configs, never the
     shipping decision, which stays with the rules."""
-    path = TUNED_DIR / f"{device}.toml"
-    return tomllib.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    return _read(f"{TUNED_DIR}/{device}.toml") or {}
+
+
+# functools.cache's name for it, which callers of the earlier load()/load_tuned() used.
+load.cache_clear = clear_caches  # type: ignore[attr-defined]
+load_tuned.cache_clear = clear_caches  # type: ignore[attr-defined]
 
 
 def devices() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
 
 
-def device_for_capability(major: int, minor: int) -> str | None:
+def _scan_for_capability(major: int, minor: int) -> str | None:
     for dev in devices():
         cfg = load(dev)
         if cfg and tuple(cfg["compute_capability"]) == (major, minor):
@@ -60,11 +106,26 @@ def device_for_capability(major: int, minor: int) -> str | None:
     return None
 
 
+def device_for_capability(major: int, minor: int) -> str | None:
+    """The config device of a compute capability: configs/ scanned once per capability (memoized)."""
+    try:
+        return _by_capability[(major, minor)]
+    except KeyError:
+        pass
+    dev = _scan_for_capability(major, minor)
+    with _cache_lock:
+        _by_capability[(major, minor)] = dev
+    return dev
+
+
 def target(device: str) -> dict[str, str]:
-    cfg = load(device)
-    if cfg is None:
-        raise KeyError(device)
-    return dict(cfg["target"])
+    """The device's TileLang target (a fresh dict: the caller may keep or change it)."""
+    if (hit := _targets.get(device)) is None:
+        cfg = load(device)
+        if cfg is None:
+            raise KeyError(device)
+        hit = _targets[device] = dict(cfg["target"])
+    return dict(hit)
 
 
 def _matches(when: dict[str, Any], facts: dict[str, Any]) -> bool:
@@ -98,7 +159,37 @@ def use_backend(backend: str | None) -> Iterator[None]:
 
 
 def choose(device: str, op: str, facts: dict[str, Any]) -> Choice | None:
-    """The pinned choice for these facts, or None when the device has no config for `op`."""
+    """The pinned choice for these facts, or None when the device has no config for `op`. Re-reads
+    a config file that changed on disk first; the choice itself is memoized (see resolve())."""
+    load(device)
+    load_tuned(device)
+    ch = resolve(device, op, facts)
+    # A fresh config dict: what the tools do with their choice must not reach the memo.
+    return ch if ch is None else Choice(ch.backend, dict(ch.config), ch.reason)
+
+
+def resolve(device: str, op: str, facts: dict[str, Any]) -> Choice | None:
+    """choose() without the stat of its files, for the per-call path: the choice is resolved once
+    per (device, op, facts, use_backend) and memoized until a file is re-read or clear_caches().
+    The Choice returned is shared: its config must not be changed."""
+    forced = _forced.get()
+    try:
+        key: tuple[Any, ...] = (device, op, forced, *facts.items())
+        hit = _choices.get(key)
+    except TypeError:  # an unhashable fact: resolved every time, as before the memo
+        return _resolve(device, op, facts, forced)
+    if hit is not None:
+        return hit
+    ch = _resolve(device, op, facts, forced)
+    if ch is not None:  # no config for op is not memoized: rare, and a config may appear
+        with _cache_lock:
+            if len(_choices) >= _MAX_CHOICES:
+                _choices.clear()
+            _choices[key] = ch
+    return ch
+
+
+def _resolve(device: str, op: str, facts: dict[str, Any], forced: str | None) -> Choice | None:
     cfg = load(device)
     if cfg is None or op not in cfg:
         return None
@@ -117,7 +208,6 @@ def choose(device: str, op: str, facts: dict[str, Any]) -> Choice | None:
         if _matches(entry["when"], facts):
             base.update(entry["config"])
             break
-    forced = _forced.get()
     if forced == "framework":
         return Choice("framework", base, "kernels.use_backend('framework')")
     if framework_reason and forced != "tilelang":

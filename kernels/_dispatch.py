@@ -45,18 +45,52 @@ def _tilelang_import_error() -> str | None:
     return None
 
 
+def _query_capability(index: int) -> tuple[int, int]:
+    """The CUDA driver's answer; asked once per device index (device_of_index memoizes it)."""
+    major, minor = torch.cuda.get_device_capability(index)
+    return major, minor
+
+
+# cuda device index -> (config device or None, reason): a GPU's capability never changes, and the
+# config scan behind it is memoized in _config; both are dropped by clear_caches().
+_devices: dict[int, tuple[str | None, str]] = {}
+
+
+def device_of_index(index: int) -> tuple[str | None, str]:
+    """(device id from kernels/configs, or None; a reason when None) of one CUDA device."""
+    try:
+        return _devices[index]
+    except KeyError:
+        pass
+    major, minor = _query_capability(index)
+    dev = _config.device_for_capability(major, minor)
+    found = (
+        (dev, "")
+        if dev is not None
+        else (None, f"unsupported device: compute capability {major}.{minor} has no pinned config")
+    )
+    with _lock:
+        _devices[index] = found
+    return found
+
+
+def clear_caches() -> None:
+    """Forget the device lookups and everything _config memoized (its parsed files, its choices)."""
+    with _lock:
+        _devices.clear()
+    _config.clear_caches()
+
+
 def tensor_device(*tensors: torch.Tensor) -> tuple[str | None, str]:
     """(device id from kernels/configs, or None; a reason when None)."""
-    t0 = tensors[0]
-    if any(t.device != t0.device for t in tensors):
-        return None, "tensors are on different devices"
-    if t0.device.type != "cuda":
-        return None, f"unsupported device: {t0.device.type} tensors"
-    major, minor = torch.cuda.get_device_capability(t0.device)
-    dev = _config.device_for_capability(major, minor)
-    if dev is None:
-        return None, f"unsupported device: compute capability {major}.{minor} has no pinned config"
-    return dev, ""
+    d0 = tensors[0].device
+    for t in tensors[1:]:
+        if t.device != d0:
+            return None, "tensors are on different devices"
+    if d0.type != "cuda":
+        return None, f"unsupported device: {d0.type} tensors"
+    # A tensor's cuda device always carries its index; current_device() only for a bare "cuda".
+    return device_of_index(d0.index if d0.index is not None else torch.cuda.current_device())
 
 
 def pass_configs(cfg: dict[str, Any]) -> dict[str, Any] | None:
@@ -103,12 +137,13 @@ def run_or_fallback(
     framework: Callable[[], torch.Tensor],
     out: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Launch the TileLang kernel when everything allows it, else the framework op, recording why."""
+    """Launch the TileLang kernel when everything allows it, else the framework op, recording why.
+    `framework` may write `out` itself and return it (no copy then); anything else is copied into it."""
     if device is not None and not reason:
         if err := _tilelang_import_error():
             reason = f"tilelang missing: {err}"
         else:
-            choice = _config.choose(device, op, facts)
+            choice = _config.resolve(device, op, facts)  # memoized: no file or rule walk per call
             if choice is None:
                 reason = f"unsupported device: no {op} config for {device}"
             elif choice.backend == "framework":
@@ -123,6 +158,21 @@ def run_or_fallback(
     _fallback.record(op, reason)
     result = framework()
     if out is not None:
-        out.copy_(result)
+        if result is not out:
+            out.copy_(result)
         return out
     return result
+
+
+def writes_into(out: torch.Tensor | None, like: torch.Tensor, shape: tuple[int, ...], *inputs: torch.Tensor) -> bool:
+    """Whether the framework op may write `out` itself (torch's out=) with the result a copy_ would
+    give: `out` exactly the result's shape, dtype and device, contiguous, sharing no memory with an
+    input, and no autograd to refuse out= (copy_ is recorded, out= raises)."""
+    if out is None or out.shape != shape or out.dtype != like.dtype or out.device != like.device:
+        return False
+    if not out.is_contiguous() or (
+        torch.is_grad_enabled() and (out.requires_grad or any(t.requires_grad for t in inputs))
+    ):
+        return False
+    mine = out.untyped_storage().data_ptr()
+    return all(t.untyped_storage().data_ptr() != mine for t in inputs)

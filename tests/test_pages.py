@@ -67,6 +67,12 @@ MODEL: dict[str, tuple[Reader, str]] = {
     "track_shipped_peak_mib": (lambda c, _: c["shipped"]["peak_mib"], LOWER),
     "track_shipped_rel_error": (lambda c, _: c["shipped"]["rel_fro"], LOWER),
 }
+# The shipped path's host overhead (bench_overhead, one parameter per operator): measure-<op>.json's
+# "overhead" entry, not a case's; µs added per call, lower is better.
+OVERHEAD: dict[str, tuple[Reader, str]] = {
+    "track_added_back_to_back_us": (lambda o, _: o["back_to_back_us"]["added"], LOWER),
+    "track_added_single_us": (lambda o, _: o["single_us"]["added"], LOWER),
+}
 # asv's value of a benchmark whose record value is higher-is-better: its lower-is-better form.
 CONVERTED = {
     "track_relative_time": 1.0,
@@ -78,6 +84,8 @@ CONVERTED = {
 
 def _reader(benchmark: str) -> tuple[Reader, str]:
     suite, _, method = benchmark.rpartition(".")
+    if suite == "bench_overhead.TrackOverhead":
+        return OVERHEAD[method]
     return (MODEL if suite == "bench_model.TrackModel" else OPERATOR)[method]
 
 
@@ -187,7 +195,9 @@ def test_every_benchmark_is_lower_is_better_and_named_for_it() -> None:
         assert (way == HIGHER) == (method in CONVERTED), name
         assert "speedup" not in method and "tflops" not in method, name
         assert desc["unit"] not in ("x", "TFLOP/s", "ms", "s", "MiB"), (name, desc["unit"])  # says what it is
-        assert desc["param_names"] != ["case"] and "/" in desc["param_names"][0], name
+        # A case id's parts (operator/shape/dtype/variant); the overhead suite's parameter is the operator.
+        want = ["operator"] if name.startswith("bench_overhead.") else None
+        assert desc["param_names"] != ["case"] and (desc["param_names"] == want or "/" in desc["param_names"][0]), name
     from asv.results import Results
 
     checked = 0

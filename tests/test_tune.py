@@ -91,7 +91,7 @@ def test_pinned_winners_change_that_case_s_config_only_and_never_what_ships(
     before = build.choice(c, "sm90")
     won = {**before.config, "num_stages": before.config["num_stages"] + 1, "threads": 384}
     monkeypatch.setattr(_config, "TUNED_DIR", tmp_path)
-    _config.load_tuned.cache_clear()
+    _config.clear_caches()
     entry = {
         "case": c.id,
         "when": registry.of(c).facts(c),
@@ -109,7 +109,7 @@ def test_pinned_winners_change_that_case_s_config_only_and_never_what_ships(
         assert build.choice(other, "sm90").config["num_stages"] == before.config["num_stages"]
     finally:
         monkeypatch.undo()
-        _config.load_tuned.cache_clear()
+        _config.clear_caches()
 
 
 @pytest.mark.skipif(envinfo.device_of_gpu(envinfo.capture()["gpu"]) == "sm90", reason="an sm90 GPU is here")

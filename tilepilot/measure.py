@@ -94,7 +94,7 @@ def measure_operator(
     tools: tuple[L2Flush, Clocks, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Measure every selected case of one operator; writes measure-<op>.json into the run folder."""
-    from tilepilot import cases, matrix, record
+    from tilepilot import cases, matrix, overhead, record
 
     t0 = time.perf_counter()
     sel = [c for c in cases.expand(matrix.load(), pattern) if c.op == op]
@@ -108,6 +108,15 @@ def measure_operator(
             results[case.id] = measure_case(case, device, ceil, flush, clocks)
         except Exception as exc:  # one broken case must not take the others' numbers with it
             results[case.id] = {"case": case.id, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+        torch.cuda.empty_cache()
+    # The shipped path's host overhead (tilepilot.overhead), for an operator this run measures: an
+    # optional key that readers of schema-1 records without it ignore (their views allow extra keys).
+    overhead_entry: dict[str, Any] | None = None
+    if sel:
+        try:
+            overhead_entry = overhead.measure_overhead(op)
+        except Exception as exc:  # it must not take the cases' numbers with it
+            overhead_entry = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
         torch.cuda.empty_cache()
     compile_times: dict[str, Any] = {}
     if run_dir is not None and (run_dir / "build.json").exists():
@@ -125,6 +134,8 @@ def measure_operator(
         "seconds": time.perf_counter() - t0,
         "complete": True,
     }
+    if overhead_entry is not None:
+        data["overhead"] = overhead_entry
     if run_dir is not None:
         record.write_json(run_dir / f"measure-{op}.json", data)
     return data

@@ -210,8 +210,9 @@ class Operator:
         """An uninitialized output tensor of the right shape and dtype."""
         raise NotImplementedError
 
-    def public(self, case: Case, inputs: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
-        """The public API as model code calls it, into `out`; the configs decide what runs."""
+    def public(self, case: Case, inputs: tuple[Any, ...], out: torch.Tensor | None) -> torch.Tensor:
+        """The public API as model code calls it, into `out` (None: its own output); the configs
+        decide what runs."""
         raise NotImplementedError
 
     def launch(self, kernel: Any, inputs: tuple[Any, ...], out: torch.Tensor) -> None:
@@ -256,6 +257,12 @@ class Operator:
         """Forced-fallback reasons of the public API that inputs alone trigger (dtype, shape, mask),
         on the CPU and, on a GPU with a pinned config, on the GPU."""
         return []
+
+    def overhead_case(self) -> Case | None:
+        """The case the shipped path's host overhead is measured on (tilepilot.overhead): a small,
+        decode-sized one, where host time is a large part of a call. None: the matrix's
+        representative case of fewest bytes."""
+        return None
 
     def small_case(self) -> Case:
         """A small valid case: the fallback step forces the dispatch reasons (CPU tensors, the

@@ -178,7 +178,7 @@ def write_tuned(device: str, entries: dict[str, list[dict[str, Any]]], path: Pat
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write("\n".join(lines))
     os.replace(tmp, path)
-    _config.load_tuned.cache_clear()
+    _config.clear_caches()  # the memoized choices too: the next call sees the new winners
     return path
 
 

@@ -155,6 +155,12 @@ def reference(args):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=VARIANT == "causal").double()
 """
 
+    def overhead_case(self) -> Case:
+        # A short causal prefill (Llama-3-8B's heads, 256 tokens): microseconds of device time.
+        tol = Tolerance(rel_fro=1e-3, atol=1e-2, rtol=1e-2)
+        dims = {"batch": 1, "heads": 32, "kv_heads": 8, "seq_q": 256, "seq_kv": 256, "head_dim": 128}
+        return Case(self.name, "overhead-s256", "edge", "float16", "causal", dims, tol)
+
     def small_case(self) -> Case:
         tol = Tolerance(rel_fro=3e-3, atol=1e-2, rtol=1e-2)
         dims = {"batch": 1, "heads": 4, "kv_heads": 2, "seq_q": 64, "seq_kv": 64, "head_dim": 64}

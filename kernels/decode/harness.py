@@ -168,6 +168,12 @@ def reference(args):
     def repro_functions(self) -> list[Any]:
         return [self.kernel._plan, self.kernel.launch]
 
+    def overhead_case(self) -> Case:
+        # One new token of one sequence over a 4k cache (the matrix's llama8b-b1-c4k): ~23 µs in SDPA.
+        tol = Tolerance(rel_fro=3e-3, atol=1e-2, rtol=1e-2)
+        dims = {"batch": 1, "heads": 32, "kv_heads": 8, "seq_q": 1, "cache_len": 4096, "min_len": 4096, "head_dim": 128}
+        return Case(self.name, "overhead-b1-c4k", "edge", "float16", "bottom-right", dims, tol)
+
     def small_case(self) -> Case:
         tol = Tolerance(rel_fro=3e-3, atol=1e-2, rtol=1e-2)
         dims = {"batch": 3, "heads": 8, "kv_heads": 2, "seq_q": 2, "cache_len": 300, "min_len": 40, "head_dim": 64}

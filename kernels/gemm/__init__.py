@@ -165,6 +165,12 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, trans_b: bool = False, out: torch.
         kernel(a, b, c)
         return c
 
-    return _dispatch.run_or_fallback(
-        "gemm", device, reason, facts(m, n, k, layout, dtype), launch, lambda: reference(a, b, trans_b), out
-    )
+    def framework() -> torch.Tensor:
+        # torch.matmul straight into `out` where that is what a copy would give: one write, no temporary.
+        if a.dim() == 2 and b.dim() == 2 and b.dtype == a.dtype:
+            bt = b.t() if trans_b else b
+            if a.shape[1] == bt.shape[0] and _dispatch.writes_into(out, a, (a.shape[0], bt.shape[1]), a, b):
+                return torch.matmul(a, bt, out=out)
+        return reference(a, b, trans_b)
+
+    return _dispatch.run_or_fallback("gemm", device, reason, facts(m, n, k, layout, dtype), launch, framework, out)

@@ -1,0 +1,64 @@
+"""The shipped path's CPU-side dispatch cost, per call, on any machine (no GPU needed).
+
+    python scripts/dispatch-cost.py
+
+resolve: what a CUDA call resolves before it launches or falls back, without the CUDA queries: the
+config device of compute capability 9.0, then the choice for the call's facts (GEMM 16x4096x4096 nt,
+decode batch 1 over a 4k cache). cpu-call: kernels.gemm on small CPU tensors (which fall back at
+once: no device lookup) minus torch.matmul on them. Medians of repeated timeit batches, in µs.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import sys
+import timeit
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+import kernels
+from kernels import _config
+
+# kernels.gemm and kernels.decode_attention shadow their packages: the packages by name.
+gemm_mod, decode_mod = kernels.operator_module("gemm"), kernels.operator_module("decode")
+
+
+def per_call_us(fn: object, number: int = 2000, repeat: int = 15) -> float:
+    times = timeit.repeat(fn, number=number, repeat=repeat)  # type: ignore[arg-type]
+    return statistics.median(times) / number * 1e6
+
+
+def main() -> None:
+    gf = gemm_mod.facts(16, 4096, 4096, "nt", "float16")
+    df = decode_mod.facts(1, 32, 8, 1, 4096, 128, "float16")
+
+    # The per-call path's resolution: _config.resolve (memoized, no stat) where it exists, else choose.
+    resolve = getattr(_config, "resolve", _config.choose)
+
+    def resolve_gemm() -> None:
+        resolve(_config.device_for_capability(9, 0) or "", "gemm", gf)
+
+    def resolve_decode() -> None:
+        resolve(_config.device_for_capability(9, 0) or "", "decode", df)
+
+    a, b = torch.randn(16, 64, dtype=torch.float16), torch.randn(32, 64, dtype=torch.float16)
+    kernels.gemm(a, b, trans_b=True)  # the fallback's first record logs once: not timed
+    rows = {
+        "resolve gemm (capability -> device -> choice)": per_call_us(resolve_gemm),
+        "resolve decode (capability -> device -> choice)": per_call_us(resolve_decode),
+        "device_for_capability(9, 0)": per_call_us(lambda: _config.device_for_capability(9, 0)),
+        "choose(sm90, gemm)": per_call_us(lambda: _config.choose("sm90", "gemm", gf)),
+        "kernels.gemm, CPU 16x64x32": per_call_us(lambda: kernels.gemm(a, b, trans_b=True)),
+        "torch.matmul, CPU 16x64x32": per_call_us(lambda: torch.matmul(a, b.t())),
+    }
+    for name, us in rows.items():
+        print(f"{name:50s} {us:8.2f} µs")
+
+
+if __name__ == "__main__":
+    logging.getLogger("kernels").setLevel(logging.ERROR)  # the CPU fallback's one warning
+    main()

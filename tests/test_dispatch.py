@@ -1,0 +1,207 @@
+"""The shipped path's caches (issue 20): the memoized choice is the uncached one, a changed config
+file is re-read, the device lookup happens once per GPU, and a fallback writes `out` without a copy
+where that is safe. CPU only: a CUDA device is stood in for by its capability query."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import kernels
+from kernels import _config, _dispatch
+from tilepilot import cases, matrix, registry, tune
+
+
+@pytest.fixture(autouse=True)
+def _fresh_caches() -> Iterator[None]:
+    kernels.clear_caches()
+    yield
+    kernels.clear_caches()
+
+
+def _facts_to_try() -> list[tuple[str, dict[str, Any]]]:
+    """Every matrix case's facts, and random shapes around the rules' thresholds."""
+    out = [(c.op, registry.of(c).facts(c)) for c in cases.expand(matrix.load())]
+    rng = random.Random(20)
+    sizes = [1, 2, 16, 63, 64, 65, 1000, 1024, 1025, 4096, 4097, 8192, 65536, 131072]
+    for _ in range(300):
+        op = rng.choice(registry.names())
+        kernel = registry.get(op).kernel
+        args: dict[str, Any] = {
+            name: rng.choice(sizes) for name in kernel.facts.__code__.co_varnames[: kernel.facts.__code__.co_argcount]
+        }
+        for name, values in (
+            ("dtype", ("float16", "bfloat16")),
+            ("layout", ("nt", "nn")),
+            ("mask", ("none", "causal")),
+        ):
+            if name in args:
+                args[name] = rng.choice(values)
+        out.append((op, kernel.facts(**args)))
+    return out
+
+
+def test_the_memoized_choice_is_the_uncached_one_for_every_device_op_and_backend() -> None:
+    tried = 0
+    for (op, facts), dev, forced in itertools.product(
+        _facts_to_try(), _config.devices(), (None, "tilelang", "framework")
+    ):
+        with kernels.use_backend(forced):
+            first = _config.resolve(dev, op, facts)
+            again = _config.resolve(dev, op, facts)
+            uncached = _config._resolve(dev, op, facts, forced)
+            public = _config.choose(dev, op, facts)
+        assert first == uncached == public, (dev, op, facts, forced)
+        assert again is first  # the second call is the memo's
+        if public is not None and first is not None:
+            assert public.config is not first.config  # a tool's copy: changing it cannot reach the memo
+        tried += 1
+    assert tried > 1000
+
+
+def test_use_backend_is_part_of_the_memo_key() -> None:
+    facts = registry.get("gemm").kernel.facts(4096, 4096, 4096, "nt", "float16")
+    assert _config.resolve("sm90", "gemm", facts).backend == "framework"  # type: ignore[union-attr]
+    with kernels.use_backend("tilelang"):
+        assert _config.resolve("sm90", "gemm", facts).backend == "tilelang"  # type: ignore[union-attr]
+    assert _config.resolve("sm90", "gemm", facts).backend == "framework"  # type: ignore[union-attr]
+
+
+def _config_text(block_m: int, framework: bool) -> str:
+    rule = 'backend = "framework"\nreason = "test: the framework op"\n' if framework else f"block_M = {block_m}\n"
+    return (
+        'device = "sm99"\ntarget = { kind = "cuda", arch = "sm_99" }\ncompute_capability = [9, 9]\n\n'
+        "[gemm.default]\nblock_M = 128\nblock_N = 128\nblock_K = 64\nnum_stages = 2\nthreads = 128\n\n"
+        f"[[gemm.rules]]\nwhen = {{ m_max = 64 }}\n{rule}"
+    )
+
+
+@pytest.fixture
+def config_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setattr(_config, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(_config, "TUNED_DIR", tmp_path / "tuned")
+    kernels.clear_caches()
+    return tmp_path
+
+
+def test_a_config_file_that_changes_is_read_again(config_dir: Path) -> None:
+    facts = registry.get("gemm").kernel.facts(16, 4096, 4096, "nt", "float16")
+    path = config_dir / "sm99.toml"
+    path.write_text(_config_text(64, framework=False), encoding="utf-8")
+    assert _config.device_for_capability(9, 9) == "sm99"
+    first = _config.resolve("sm99", "gemm", facts)
+    assert first is not None and first.backend == "tilelang" and first.config["block_M"] == 64
+    assert _config.target("sm99") == {"kind": "cuda", "arch": "sm_99"}
+
+    # Another size: choose() stats the file, re-reads it and drops the memo derived from the old one.
+    path.write_text(_config_text(64, framework=True), encoding="utf-8")
+    now = _config.choose("sm99", "gemm", facts)
+    assert now is not None and now.backend == "framework" and now.reason == "test: the framework op"
+    assert _config.resolve("sm99", "gemm", facts) == now
+
+    # The same size (and perhaps the same mtime tick): clear_caches() is the explicit way.
+    path.write_text(_config_text(32, framework=False), encoding="utf-8")
+    path.write_text(_config_text(48, framework=False), encoding="utf-8")
+    kernels.clear_caches()
+    assert _config.resolve("sm99", "gemm", facts).config["block_M"] == 48  # type: ignore[union-attr]
+
+    # A tuner's new winners reach the next call: write_tuned clears the caches.
+    won = {**_config.choose("sm99", "gemm", facts).config, "threads": 384}  # type: ignore[union-attr]
+    entry = {"case": "t", "when": facts, "config": won, "gain": 1.1, "speedup_vs_framework": 1.0, "measured": "t"}
+    tune.write_tuned("sm99", {"gemm": [entry]})
+    assert _config.resolve("sm99", "gemm", facts).config["threads"] == 384  # type: ignore[union-attr]
+
+    # A file gone: the device has no config after the next read.
+    path.unlink()
+    assert _config.choose("sm99", "gemm", facts) is None
+
+
+def test_the_device_lookup_is_done_once_per_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: Counter[str] = Counter()
+    scan = _config._scan_for_capability
+
+    def capability(index: int) -> tuple[int, int]:
+        asked[f"capability {index}"] += 1
+        return (9, 0) if index == 0 else (7, 5)
+
+    def counted_scan(major: int, minor: int) -> str | None:
+        asked[f"scan {major}.{minor}"] += 1
+        return scan(major, minor)
+
+    monkeypatch.setattr(_dispatch, "_query_capability", capability)
+    monkeypatch.setattr(_config, "_scan_for_capability", counted_scan)
+    for _ in range(100):
+        assert _dispatch.device_of_index(0) == ("sm90", "")
+        assert _dispatch.device_of_index(1) == (
+            None,
+            "unsupported device: compute capability 7.5 has no pinned config",
+        )
+    assert asked == {"capability 0": 1, "capability 1": 1, "scan 9.0": 1, "scan 7.5": 1}
+    kernels.clear_caches()
+    assert _dispatch.device_of_index(0) == ("sm90", "")
+    assert asked["capability 0"] == 2 and asked["scan 9.0"] == 2
+
+
+def test_cpu_and_mixed_tensors_keep_their_reasons() -> None:
+    a = torch.zeros(2)
+    assert _dispatch.tensor_device(a, a) == (None, "unsupported device: cpu tensors")
+    assert _dispatch.tensor_device(a, torch.zeros(2, device="meta")) == (None, "tensors are on different devices")
+
+
+class _Ops(TorchDispatchMode):
+    """Every aten op that runs inside the block, counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.seen[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _gemm_with_out(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, trans_b: bool) -> tuple[torch.Tensor, _Ops]:
+    with _Ops() as ops:
+        got = kernels.gemm(a, b, trans_b=trans_b, out=out)
+    return got, ops
+
+
+@pytest.mark.parametrize("trans_b", [True, False])
+def test_a_gemm_fallback_writes_out_without_a_copy(trans_b: bool) -> None:
+    a = torch.randn(16, 64, dtype=torch.float16)
+    b = torch.randn(32, 64, dtype=torch.float16) if trans_b else torch.randn(64, 32, dtype=torch.float16)
+    want = torch.matmul(a, b.t() if trans_b else b)
+    out = torch.empty(16, 32, dtype=torch.float16)
+    got, ops = _gemm_with_out(a, b, out, trans_b)
+    assert got is out and torch.equal(out, want)
+    assert ops.seen["aten.copy_"] == 0, ops.seen
+
+
+def test_where_out_cannot_be_written_directly_the_fallback_copies_as_before() -> None:
+    a = torch.randn(16, 64, dtype=torch.float16)
+    b = torch.randn(32, 64, dtype=torch.float16)
+    want = torch.matmul(a, b.t())
+    # `out` a view of the input's storage: matmul's out= would read what it writes.
+    both = torch.zeros(16 * 64 + 16 * 32, dtype=torch.float16)
+    a_in = both[: 16 * 64].view(16, 64).copy_(a)
+    shared = both[16 * 64 :].view(16, 32)
+    got, ops = _gemm_with_out(a_in, b, shared, True)
+    assert got is shared and torch.equal(shared, want) and ops.seen["aten.copy_"] == 1
+    # Inputs that autograd tracks: out= would raise, copy_ is what the call did before.
+    ag = a.float().requires_grad_()
+    out = torch.empty(16, 32)
+    got, ops = _gemm_with_out(ag, b.float(), out, True)
+    assert got is out and ops.seen["aten.copy_"] == 1
+    # A non-contiguous `out` (its own fallback reason): copied into, as before.
+    wide = torch.empty(32, 16, dtype=torch.float16).t()
+    got, ops = _gemm_with_out(a, b, wide, True)
+    assert got is wide and torch.equal(wide, want) and ops.seen["aten.copy_"] == 1
+    assert any("`out` is not a contiguous" in r for r in kernels.fallback_reasons("gemm"))

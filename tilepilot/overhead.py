@@ -1,0 +1,147 @@
+"""The shipped path's host overhead (issue 20), per operator: what calling the public API
+(kernels.<op>, the configs deciding) adds to calling the framework op directly.
+
+One small case per operator (the harness's overhead_case: decode-sized, where host time shows), two
+ways, the two sides interleaved so that drift hits both alike:
+
+  back_to_back_us  `calls` calls in a row, CUDA-synchronised before and after, per call; the median
+                   of `rounds` such batches. What a model's step pays while the GPU keeps up.
+  single_us        one call on an idle GPU, synchronised before and after; the median of `singles`.
+
+`added` = shipped - direct, in µs, for both: lower is better, 0 is "a dispatch that costs nothing"
+(it may come out a little negative: the noise). The record is the measure record's "overhead" key
+(measure-<op>.json); without a CUDA device the measurement is skipped with its reason, never faked.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tilepilot.operator import Case, Operator
+
+CALLS = 200  # per back-to-back batch
+ROUNDS = 15
+SINGLES = 200
+WARMUP = 20
+
+
+def case_for(op: Operator) -> Case:
+    """The operator's overhead case: its harness's, else its representative case of fewest bytes."""
+    if (case := op.overhead_case()) is not None:
+        return case
+    from tilepilot import cases, matrix
+
+    mine = [c for c in cases.expand(matrix.load()) if c.op == op.name and c.group == "representative"]
+    return min(mine, key=op.bytes)
+
+
+def added(shipped_us: float, direct_us: float) -> dict[str, float]:
+    """One way's three numbers: each side's median per-call µs and what the shipped path adds."""
+    return {"shipped": shipped_us, "direct": direct_us, "added": shipped_us - direct_us}
+
+
+def skipped(reason: str, case: str | None = None) -> dict[str, Any]:
+    return {"skipped": reason, **({"case": case} if case else {})}
+
+
+def _back_to_back(
+    fns: dict[str, Callable[[], Any]], sync: Callable[[], None], calls: int, rounds: int
+) -> dict[str, float]:
+    per_call: dict[str, list[float]] = {side: [] for side in fns}
+    for _ in range(rounds):
+        for side, fn in fns.items():
+            sync()
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            sync()
+            per_call[side].append((time.perf_counter() - t) / calls * 1e6)
+    return {side: statistics.median(v) for side, v in per_call.items()}
+
+
+def _single(fns: dict[str, Callable[[], Any]], sync: Callable[[], None], singles: int) -> dict[str, float]:
+    each: dict[str, list[float]] = {side: [] for side in fns}
+    for _ in range(singles):
+        for side, fn in fns.items():
+            sync()
+            t = time.perf_counter()
+            fn()
+            sync()
+            each[side].append((time.perf_counter() - t) * 1e6)
+    return {side: statistics.median(v) for side, v in each.items()}
+
+
+def time_pair(
+    shipped: Callable[[], Any],
+    direct: Callable[[], Any],
+    sync: Callable[[], None],
+    calls: int = CALLS,
+    rounds: int = ROUNDS,
+    singles: int = SINGLES,
+    warmup: int = WARMUP,
+) -> dict[str, Any]:
+    """Both ways for one pair of callables; `sync` waits for the device (torch.cuda.synchronize)."""
+    fns = {"shipped": shipped, "direct": direct}
+    for _ in range(warmup):  # first calls: cuBLAS/cuDNN plans, the dispatch's memo, the fallback's log line
+        for fn in fns.values():
+            fn()
+    sync()
+    b2b = _back_to_back(fns, sync, calls, rounds)
+    one = _single(fns, sync, singles)
+    return {
+        "back_to_back_us": added(b2b["shipped"], b2b["direct"]),
+        "single_us": added(one["shipped"], one["direct"]),
+        "method": {"calls": calls, "rounds": rounds, "singles": singles, "warmup": warmup},
+    }
+
+
+def measure_overhead(op_name: str) -> dict[str, Any]:
+    """The record's "overhead" entry of one operator: measured on the current CUDA device, or
+    {"skipped": why} where there is none."""
+    import torch
+
+    from tilepilot import registry
+
+    op = registry.get(op_name)
+    case = case_for(op)
+    if not torch.cuda.is_available():
+        return skipped("no CUDA device: host overhead is measured against a GPU only", case.id)
+    import kernels
+
+    inputs = op.inputs(case, 0)
+    direct = op.framework(case, inputs).call
+    kernels.clear_fallback_reasons()
+    shipped_calls = [0]
+
+    def shipped() -> Any:
+        shipped_calls[0] += 1
+        return op.public(case, inputs, None)  # as model code calls it: no `out`
+
+    out = time_pair(shipped, direct, torch.cuda.synchronize)
+    # What the shipped path ran: the framework op (and why) or the kernel, on every call or not.
+    fell_back = kernels.fallback_reasons(op_name)
+    n = sum(fell_back.values())
+    return {
+        "case": case.id,
+        "shipped": "framework" if n == shipped_calls[0] else "tilelang" if n == 0 else "mixed",
+        "fallbacks": fell_back,
+        **out,
+    }
+
+
+def read(entry: Any) -> dict[str, float]:
+    """The added µs of a record's "overhead" entry ({"back_to_back": x, "single": y}); {} where it
+    was skipped, is absent (records before it) or does not hold finite numbers."""
+    import math
+
+    if not isinstance(entry, dict) or "skipped" in entry:
+        return {}
+    got: dict[str, float] = {}
+    for way in ("back_to_back", "single"):
+        value = (entry.get(f"{way}_us") or {}).get("added")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            got[way] = float(value)
+    return got
