@@ -21,12 +21,12 @@ from tilepilot import breakdown, matrix, model
 
 def main() -> int:
     mx = matrix.load()
-    assert mx.model.decode is not None, "matrix.toml [model] has no decode phase"
+    assert mx.model.decoding is not None, "matrix.toml [model] has no decode phase"
     small = mx.model.model_copy(
         update={
             "tokens": [512],
             "dtypes": ["bfloat16"],
-            "decode": mx.model.decode.model_copy(update={"batch": [1, 8], "cache": [2048]}),
+            "decoding": mx.model.decoding.model_copy(update={"batch": [1, 8], "cache": [2048]}),
         }
     )
     t = time.perf_counter()

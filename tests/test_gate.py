@@ -440,6 +440,9 @@ KNOWN_FAILING = {
     "f67a20978d16481ef5e90a22a6af82d99e80c36d": "measured from a dirty tree",
     # decode shipped on 20 cases: its split-KV partials over the memory objective, and no baseline
     "377cff9212ae4b39300fd466f6846b7494e7b3b8": "decode/llama8b-b1-c32k/float16/bottom-right: memory 4 MiB > 1.1x",
+    # the block's decode phase: the shipped package's decode fallback masks where the framework
+    # needs none (b1), and its custom ops keep inductor from fusing the mask (b8, b32 compiled)
+    "fbdaa513cda477a9c0b9ffca6085c10b87e0aa40": "model/llama-decode-b1-c4096/bfloat16: shipped 0.939x < 0.98x",
 }
 
 

@@ -77,8 +77,10 @@ def test_decode_is_the_prefills_next_token(ragged: bool) -> None:
 
 def test_decode_configs_shapes_and_cache() -> None:
     bcs = [c for c in configs(MX) if c.phase == "decode"]
-    assert MX.model.decode is not None
-    assert {(c.batch, c.cache) for c in bcs} == {(b, c) for b in MX.model.decode.batch for c in MX.model.decode.cache}
+    assert MX.model.decoding is not None
+    assert {(c.batch, c.cache) for c in bcs} == {
+        (b, c) for b in MX.model.decoding.batch for c in MX.model.decoding.cache
+    }
     for bc in bcs:
         lens = bc.lengths()
         assert len(lens) == bc.batch and lens[0] == bc.cache  # the longest fills the cache

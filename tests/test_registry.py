@@ -17,7 +17,8 @@ from tilepilot.errors import UserError
 ROOT = Path(__file__).resolve().parent.parent
 OPS = registry.names()
 # The operators themselves (kernels/), and the model block, which is a model written in its ops.
-MAY_NAME_OPERATORS = {"tilepilot/model.py", "tilepilot/blockspec.py"}
+# The Llama block names its own ops (its GEMMs, attention, decode attention): model-level, not the registry's.
+MAY_NAME_OPERATORS = {"tilepilot/model.py", "tilepilot/blockspec.py", "tilepilot/breakdown.py"}
 
 
 def _logic_names(path: Path) -> list[tuple[int, str]]:

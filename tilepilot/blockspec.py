@@ -51,12 +51,12 @@ class BlockConfig:
 def configs(matrix: Matrix) -> list[BlockConfig]:
     m = matrix.model
     out = [BlockConfig("prefill", d, tokens=t) for t in m.tokens for d in m.dtypes]
-    if m.decode is not None:
+    if m.decoding is not None:
         out += [
             BlockConfig("decode", d, batch=b, cache=c)
-            for b in m.decode.batch
-            for c in m.decode.cache
-            for d in m.decode.dtypes
+            for b in m.decoding.batch
+            for c in m.decoding.cache
+            for d in m.decoding.dtypes
         ]
     return out
 

@@ -762,7 +762,7 @@ def _model_evidence(mx: matrix.Matrix, m: evidence.ModelCase, key: str, path: Pa
             bad.append(f"{path}: {key}: speedup_vs_reference is not {ref}/{best}")
         if m.compile is not None and m.compile.mode != mx.model.compile:
             bad.append(f"{path}: {key}: compiled in mode {m.compile.mode!r}, the matrix asks {mx.model.compile!r}")
-    if not mx.model.compile and mx.model.decode is None:
+    if not mx.model.compile and mx.model.decoding is None:
         return bad  # a matrix from before the breakdown: its runs had none to judge
     if m.breakdown is None or m.amdahl is None:
         return [*bad, f"{path}: {key}: no breakdown or Amdahl prediction (where the block's time goes)"]

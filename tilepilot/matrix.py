@@ -211,7 +211,8 @@ class Model(_Strict):
     max_slowdown: Annotated[float, Field(ge=0, lt=1)]
     tolerance: dict[Dtype, Annotated[float, Field(gt=0)]]
     # Absent in matrices before the decode phase and the compiled reference (their runs had neither).
-    decode: Decode | None = None
+    # The phase is `decode` in matrix.toml; `decoding` here, apart from the operator of that name.
+    decoding: Decode | None = Field(default=None, alias="decode")
     # torch.compile's mode for the compiled references; "" = no compiled reference.
     compile: Literal["", "default", "max-autotune-no-cudagraphs"] = ""
     # The shipped block's peak memory at most this times the framework block's (None: not judged).
@@ -223,7 +224,9 @@ class Model(_Strict):
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         if self.heads * self.head_dim != self.hidden:
             raise ValueError(f"heads x head_dim ({self.heads * self.head_dim}) must equal hidden ({self.hidden})")
-        missing = [d for d in [*self.dtypes, *(self.decode.dtypes if self.decode else [])] if d not in self.tolerance]
+        missing = [
+            d for d in [*self.dtypes, *(self.decoding.dtypes if self.decoding else [])] if d not in self.tolerance
+        ]
         if missing:
             raise ValueError(f"no tolerance for dtype {', '.join(missing)}")
         return self
