@@ -443,6 +443,7 @@ KNOWN_FAILING = {
     # the block's decode phase: the shipped package's decode fallback masks where the framework
     # needs none (b1), and its custom ops keep inductor from fusing the mask (b8, b32 compiled)
     "fbdaa513cda477a9c0b9ffca6085c10b87e0aa40": "model/llama-decode-b1-c4096/bfloat16: shipped 0.939x < 0.98x",
+    "ad6ed7df3b01751264d88f793a586d185224fed1": "model/llama-decode-b8-c4096/bfloat16: shipped (shipped_compiled) 0.932x",
 }
 
 
