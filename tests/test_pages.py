@@ -66,6 +66,11 @@ MODEL: dict[str, tuple[Reader, str]] = {
     "track_tilelang_relative_time": (lambda c, _: c["speedup_tilelang"], HIGHER),
     "track_shipped_peak_mib": (lambda c, _: c["shipped"]["peak_mib"], LOWER),
     "track_shipped_rel_error": (lambda c, _: c["shipped"]["rel_fro"], LOWER),
+    # The compiled forms (records from before them have none: no value, as asv has none either).
+    "track_compiled_ms": (lambda c, _: (c.get("compiled") or {}).get("median_ms"), LOWER),
+    "track_shipped_compiled_ms": (lambda c, _: (c.get("shipped_compiled") or {}).get("median_ms"), LOWER),
+    "track_shipped_vs_reference_relative_time": (lambda c, _: c.get("speedup_vs_reference"), HIGHER),
+    "track_compile_s": (lambda c, _: ((c.get("compile") or {}).get("compiled") or {}).get("first_call_s"), LOWER),
 }
 # The shipped path's host overhead (bench_overhead, one parameter per operator): measure-<op>.json's
 # "overhead" entry, not a case's; µs added per call, lower is better.
@@ -79,6 +84,7 @@ CONVERTED = {
     "track_kernel_ms_per_tflop": 1000.0,
     "track_shipped_relative_time": 1.0,
     "track_tilelang_relative_time": 1.0,
+    "track_shipped_vs_reference_relative_time": 1.0,
 }
 
 

@@ -55,8 +55,18 @@ def _harness_modules() -> list[Path]:
     return [f for f in files if f.relative_to(ROOT).as_posix() not in MAY_NAME_OPERATORS]
 
 
+# The [model] section's decode phase is the block's phase (one new token per sequence), named in
+# matrix.toml as the issue names it; in Python it is Model.decoding. Only the key's alias may say it.
+PHASE_KEYS = {("tilepilot/matrix.py", "string 'decode'")}
+
+
 def test_no_module_of_the_harness_names_an_operator() -> None:
-    found = {f"{f.relative_to(ROOT)}:{line}: {what}" for f in _harness_modules() for line, what in _logic_names(f)}
+    found = {
+        f"{f.relative_to(ROOT)}:{line}: {what}"
+        for f in _harness_modules()
+        for line, what in _logic_names(f)
+        if (f.relative_to(ROOT).as_posix(), what) not in PHASE_KEYS
+    }
     assert not found, "operator names in the harness's logic (ask tilepilot.registry):\n" + "\n".join(sorted(found))
 
 
