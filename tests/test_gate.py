@@ -920,3 +920,61 @@ def test_every_timed_form_of_the_block_is_read_from_asv() -> None:
     for f in forms:
         value, samples = res.get(f"track_{f}_ms", "model/llama-decode-b8-c4096/bfloat16") or (None, None)
         assert isinstance(value, float) and 0 < value < 10 and len(samples) >= 30, f
+
+
+# ---------------------------------------------------------------------------------------------
+# The block's two phases and two references (issue 19), on ad6ed7d's H200 run
+
+BLOCK_COMMIT = "ad6ed7df3b01751264d88f793a586d185224fed1"
+PREFILL = "model/llama-block-t4096/bfloat16"
+
+
+@pytest.fixture
+def block_tree(tmp_path: Path) -> Path:
+    dst = tmp_path / "results"
+    shutil.copytree(HISTORY / "records" / MACHINE / BLOCK_COMMIT, dst / "records" / MACHINE / BLOCK_COMMIT)
+    (dst / "asv" / MACHINE).mkdir(parents=True)
+    for f in (HISTORY / "asv" / MACHINE / "machine.json", _asv_file(BLOCK_COMMIT)):
+        shutil.copy2(f, dst / "asv" / MACHINE / f.name)
+    shutil.copy2(HISTORY / "asv" / "benchmarks.json", dst / "asv" / "benchmarks.json")
+    return dst
+
+
+def _block_gate(tree: Path, tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], dict[str, str]]:
+    r = gate(tree, tmp_path, "--commit", BLOCK_COMMIT)
+    (sm90,) = [d for d in json.loads((tmp_path / "gate" / "gate.json").read_text())["devices"] if d["device"] == "sm90"]
+    return r, sm90["model"]["shapes"]
+
+
+def _edit_block(tree: Path, change: Callable[[dict[str, Any]], Any]) -> None:
+    (run,) = (tree / "records" / MACHINE / BLOCK_COMMIT).iterdir()
+    edit(run / "model.json", lambda d: change(d["cases"][PREFILL]))
+
+
+def test_the_block_is_judged_in_both_phases_against_the_stronger_reference(block_tree: Path, tmp_path: Path) -> None:
+    r, shapes = _block_gate(block_tree, tmp_path)
+    assert r.returncode == 1
+    assert len(shapes) == 10 and any("decode" in k for k in shapes)
+    # Prefill passes against the compiled block; decode of one sequence fails against the eager one.
+    assert shapes[PREFILL].startswith("shipped ") and "vs compiled" in shapes[PREFILL], shapes[PREFILL]
+    assert shapes["model/llama-decode-b1-c4096/bfloat16"].startswith("FAIL shipped 0.939x"), shapes
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        (lambda c: c.pop("breakdown"), "no breakdown or Amdahl prediction"),
+        (lambda c: c.pop("shipped_compiled"), "no shipped_compiled"),
+        (lambda c: c.update(reference="framework"), "are not the faster forms"),
+        (lambda c: c["compile"].update(mode="max-autotune-no-cudagraphs"), "compiled in mode"),
+        (lambda c: c["amdahl"]["tilelang"].update(measured=2.0), "measured gain is not framework/tilelang"),
+        (lambda c: c["shipped_compiled"].update(peak_mib=c["compiled"]["peak_mib"] * 1.2), "shipped_compiled peak"),
+    ],
+)
+def test_incomplete_or_inconsistent_block_evidence_fails(
+    block_tree: Path, tmp_path: Path, change: Callable[[dict[str, Any]], Any], needle: str
+) -> None:
+    _edit_block(block_tree, change)
+    r, shapes = _block_gate(block_tree, tmp_path)
+    assert r.returncode == 1 and shapes[PREFILL].startswith("FAIL"), shapes[PREFILL]
+    fails(r, needle)
