@@ -128,7 +128,8 @@ def target(device: str) -> dict[str, str]:
     return dict(hit)
 
 
-def _matches(when: dict[str, Any], facts: dict[str, Any]) -> bool:
+def matches(when: dict[str, Any], facts: dict[str, Any]) -> bool:
+    """Whether a rule's `when` holds for these facts (pure: kernels.compiled traces it)."""
     for key, want in when.items():
         if key.endswith("_max"):
             if facts[key[:-4]] > want:
@@ -197,7 +198,7 @@ def _resolve(device: str, op: str, facts: dict[str, Any], forced: str | None) ->
     base = dict(section["default"])
     framework_reason = ""
     for rule in section.get("rules", []):
-        if _matches(rule.get("when", {}), facts):
+        if matches(rule.get("when", {}), facts):
             if rule.get("backend") == "framework":
                 framework_reason = rule.get("reason", "config prefers the framework op")
                 break
@@ -205,7 +206,7 @@ def _resolve(device: str, op: str, facts: dict[str, Any], forced: str | None) ->
             if rule.get("backend") == "tilelang":
                 break
     for entry in load_tuned(device).get(op, []):
-        if _matches(entry["when"], facts):
+        if matches(entry["when"], facts):
             base.update(entry["config"])
             break
     if forced == "framework":

@@ -1,20 +1,36 @@
-"""The shipped kernels as torch custom ops, for models under torch.compile.
+"""The shipped kernels for models under torch.compile.
 
 TileLang launches from Python, which dynamo cannot trace: called directly inside a compiled model,
-kernels.gemm would break the graph at every call. As custom ops the calls are opaque nodes of one
-graph (each with a shape-only fake), and inductor fuses the glue around them; at run time each op
-is the public function, with its configs, its fallback and use_backend() deciding as usual.
+kernels.gemm would break the graph at every call. The kernels are therefore custom ops, opaque nodes
+of one graph (each with a shape-only fake); at run time each op is the public function, with its
+configs, its fallback and use_backend() deciding as usual.
+
+An opaque node also hides the framework op from inductor where the config keeps that op, and the
+compiled block lost 14-19 µs a decode step to it on the H200 (ad6ed7d: the mask built in four eager
+kernels, no fusion across the call). `Shipped` therefore decides at trace time: where the device's
+rules keep the framework op for a call's facts, it traces the framework op itself, exactly the call
+the fallback makes, which inductor fuses as in the framework block; elsewhere the custom op. The
+rules are read once, before tracing, as plain data; a rule's bound on a dynamic dimension (batch,
+cache length) becomes one of dynamo's guards, so a call past it recompiles instead of running the
+wrong side. use_backend() reaches only the custom ops' run-time decision, not this one.
 
 from kernels import compiled
-y = compiled.gemm(x, w, True)                       # inside torch.compile'd code
-o = compiled.decode_attention(q, k_cache, v_cache, cache_seqlens)
+ops = compiled.Shipped()                            # before torch.compile: reads the configs
+y = ops.linear(x, w)                                # inside torch.compile'd code: x @ w.T
+o = ops.decode_attention(q, k_cache, v_cache, cache_seqlens)
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 import kernels
+from kernels import _config
+
+# The operators' modules (each shadowed in `kernels` by its public function): facts and reference.
+_gemm, _attention, _decode = (kernels.operator_module(op) for op in ("gemm", "attention", "decode"))
 
 
 @torch.library.custom_op("tilepilot_kernels::gemm", mutates_args=())
@@ -39,11 +55,79 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.
 
 @torch.library.custom_op("tilepilot_kernels::decode_attention", mutates_args=())
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | None
 ) -> torch.Tensor:
     return kernels.decode_attention(q, k_cache, v_cache, cache_seqlens)
 
 
 @decode_attention.register_fake
-def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor) -> torch.Tensor:
+def _(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | None
+) -> torch.Tensor:
     return torch.empty_like(q)
+
+
+def keeps_framework(rules: list[dict[str, Any]] | None, facts: dict[str, Any]) -> bool:
+    """Whether the first matching rule that names a backend says "framework" (the walk of
+    kernels._config, without the configs it merges): pure, so that dynamo can trace it. No config
+    (None) keeps the framework op, as the public function does at run time."""
+    if rules is None:
+        return True
+    for rule in rules:
+        if _config.matches(rule.get("when", {}), facts):
+            backend = rule.get("backend")
+            if backend is not None:
+                return bool(backend == "framework")
+    return False
+
+
+def device_rules(device: str | None, op: str) -> list[dict[str, Any]] | None:
+    """A device's rules for `op` as plain data, or None where it has no config for it."""
+    cfg = _config.load(device) if device else None
+    if cfg is None or op not in cfg:
+        return None
+    return [dict(rule) for rule in cfg[op].get("rules", [])]
+
+
+def _current_device() -> str | None:
+    if not torch.cuda.is_available():
+        return None
+    return _config.device_for_capability(*torch.cuda.get_device_capability())
+
+
+class Shipped:
+    """The shipped calls, for code under torch.compile (see the module): the framework op traced
+    where the rules keep it, the custom op elsewhere."""
+
+    def __init__(self, device: str | None = None) -> None:
+        self.device = device if device is not None else _current_device()
+        self.rules = {op: device_rules(self.device, op) for op in ("gemm", "attention", "decode")}
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T, as nn.Linear (no bias)."""
+        m, k = x.shape
+        facts = _gemm.facts(m, weight.shape[0], k, "nt", _gemm.DTYPES.get(x.dtype, str(x.dtype)))
+        if keeps_framework(self.rules["gemm"], facts):
+            return _gemm.reference(x, weight, True)
+        return gemm(x, weight, True)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        b, h, sq, d = q.shape
+        mask = "causal" if causal else "none"
+        facts = _attention.facts(
+            b, h, k.shape[1], sq, k.shape[2], d, mask, _attention.DTYPES.get(q.dtype, str(q.dtype))
+        )
+        if keeps_framework(self.rules["attention"], facts):
+            return _attention.reference(q, k, v, causal)
+        return attention(q, k, v, causal)
+
+    def decode_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | None
+    ) -> torch.Tensor:
+        b, h, sq, d = q.shape
+        facts = _decode.facts(
+            b, h, k_cache.shape[1], sq, k_cache.shape[2], d, _decode.DTYPES.get(q.dtype, str(q.dtype))
+        )
+        if keeps_framework(self.rules["decode"], facts):
+            return _decode.reference(q, k_cache, v_cache, cache_seqlens)
+        return decode_attention(q, k_cache, v_cache, cache_seqlens)

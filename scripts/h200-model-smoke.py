@@ -1,10 +1,11 @@
 """The model step (tilepilot.model.measure_model) on small shapes: every variant, compile, profile and
 breakdown path of both phases in about a minute, before a pilot spends ten on the full sizes.
 
-    PYTHONPATH=$PWD python3 scripts/h200-model-smoke.py [OUT.json]
+    PYTHONPATH=$PWD python3 scripts/h200-model-smoke.py [OUT.json] [--full-decode]
 
 Prefill at 512 tokens (bf16) and decode at batch 1 and 8 against a 2048-token cache (bf16); prints the
-pilot's breakdown tables and exits 1 when a configuration errors or disagrees.
+pilot's breakdown tables and exits 1 when a configuration errors or disagrees. --full-decode: the
+matrix's own decode phase instead of the small one (what the shipped decode kernels change).
 """
 
 from __future__ import annotations
@@ -22,18 +23,15 @@ from tilepilot import breakdown, matrix, model
 def main() -> int:
     mx = matrix.load()
     assert mx.model.decoding is not None, "matrix.toml [model] has no decode phase"
-    small = mx.model.model_copy(
-        update={
-            "tokens": [512],
-            "dtypes": ["bfloat16"],
-            "decoding": mx.model.decoding.model_copy(update={"batch": [1, 8], "cache": [2048]}),
-        }
-    )
+    full = "--full-decode" in sys.argv[1:]
+    out = next((Path(a) for a in sys.argv[1:] if not a.startswith("--")), None)
+    decoding = mx.model.decoding if full else mx.model.decoding.model_copy(update={"batch": [1, 8], "cache": [2048]})
+    small = mx.model.model_copy(update={"tokens": [512], "dtypes": ["bfloat16"], "decoding": decoding})
     t = time.perf_counter()
     data = model.measure_model(mx.model_copy(update={"model": small}), "sm90", None)
     print(f"model step: {time.perf_counter() - t:.1f} s")
-    if len(sys.argv) > 1:
-        Path(sys.argv[1]).write_text(json.dumps(data, indent=1))
+    if out is not None:
+        out.write_text(json.dumps(data, indent=1))
     print(breakdown.tables(data["cases"]))
     bad = {k: c.get("error", "disagrees") for k, c in data["cases"].items() if "error" in c or not c.get("agrees")}
     for k, why in bad.items():

@@ -145,6 +145,24 @@ def test_fallback_reasons() -> None:
     assert only_reason() == "unsupported shape: q, k_cache, v_cache must be 4-d (B, H, S, D), k_cache and v_cache alike"
 
 
+def test_none_means_every_sequence_fills_the_cache() -> None:
+    import torch.nn.functional as F
+
+    for sq in (1, 3):
+        q, k, v, _ = inputs(2, 8, 2, sq, 24, 64, [24, 24], torch.float16)
+        full = torch.full((2,), 24, dtype=torch.int32)
+        assert torch.equal(decode.reference_exact(q, k, v, None), decode.reference_exact(q, k, v, full))
+        torch.testing.assert_close(decode.reference(q, k, v, None), decode.reference(q, k, v, full))
+        got = kernels.decode_attention(q, k, v, None)  # CPU: the fallback, SDPA's fastest correct call
+        assert torch.equal(got, decode.reference(q, k, v, None))
+        assert only_reason() == "unsupported device: cpu tensors"
+        kernels.clear_fallback_reasons()
+    # One query per full sequence is SDPA with no mask at all, bit for bit.
+    q1 = q[:, :, :1].contiguous()
+    assert torch.equal(decode.reference(q1, k, v, None), F.scaled_dot_product_attention(q1, k, v, enable_gqa=True))
+    assert decode.full_lengths(2, 24, q.device) is decode.full_lengths(2, 24, q.device)  # made once
+
+
 def test_seq_q_longer_than_cache_is_refused() -> None:
     q, k, v, cl = inputs(1, 2, 2, 5, 4, 64, [4], torch.float16)
     got = kernels.decode_attention(q, k, v, cl)  # SDPA with a mask whose first row attends nowhere
@@ -197,7 +215,13 @@ def test_kernel_matches_exact(
     exact = decode.reference_exact(q, k, v, cl)
     err = (out.double() - exact).norm() / exact.norm()
     assert err < (3e-3 if dtype == torch.float16 else 2e-2), err
-    assert torch.equal(kernels.decode_attention(q, k, v, cl), out)  # the public function ships it
+    with kernels.use_backend("tilelang"):  # the public function runs it, whatever the rules ship
+        assert torch.equal(kernels.decode_attention(q, k, v, cl), out)
+    if lengths == "uniform":  # None: every sequence fills the cache, the same kernel on full lengths
+        full = torch.full_like(q, float("nan"))
+        decode.launch(kernel, q, k, v, None, full)
+        assert torch.equal(full, out)
+        torch.testing.assert_close(decode.reference(q, k, v, None), decode.reference(q, k, v, cl))
 
 
 # -- compile-only: TileLang lowers and nvcc builds the kernel for both devices, no GPU needed ------------
@@ -212,6 +236,12 @@ def test_compiles(device: str, shape: tuple[int, ...]) -> None:
     cfg = _config.choose(device, "decode", decode.facts(*shape, "float16"))
     assert cfg is not None
     kernel = tilelang.compile(decode.program(*shape, "float16", cfg.config), target=_config.target(device))
+    # The fp32 partials and log-sum-exps hold the real query rows only, not the block_M padding.
+    b, h, hkv, sq, _, d = shape
+    rows = h // hkv * sq
+    part, lse = ([int(x) for x in p.shape] for p in kernel.params[4:6])
+    assert part[:2] == [b, hkv] and part[3:] == [rows, d] and lse[:3] == [b, hkv, rows] and lse[3] == part[2]
+    assert part[3] != -(-rows // int(cfg.config["block_M"])) * int(cfg.config["block_M"])  # both shapes pad
     src = kernel.get_kernel_source()
     assert src.count("__global__ void __launch_bounds__") == 2  # the split pass and the combine
     assert "mma" in src

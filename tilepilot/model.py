@@ -217,22 +217,15 @@ def decode_block(x: torch.Tensor, cache: Cache, w: Weights, cfg: Model, ops: Ops
         return x + m
 
 
-def _decode_framework(ragged: bool) -> Decode:
-    """The fastest correct SDPA call for the batch: no mask where every sequence fills the cache (one
-    query sees every key), the decode operator's explicit mask where lengths differ."""
+def framework_ops(ragged: bool = True) -> Ops:
+    """The framework block's calls. Decode: SDPA's fastest correct call, which knows what the batch's
+    caller knows: no mask where every sequence fills the cache, the lengths' mask where they differ."""
     from kernels.decode import reference
 
-    def full(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=q.shape[1] != k.shape[1])
-
-    return reference if ragged else full
-
-
-def framework_ops(ragged: bool = True) -> Ops:
     return Ops(
         lambda x, wt: F.linear(x, wt),
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]),
-        _decode_framework(ragged),
+        lambda q, k, v, lens: reference(q, k, v, lens if ragged else None),
     )
 
 
@@ -256,23 +249,26 @@ def reference_ops() -> Ops:
     return Ops(lambda x, wt: F.linear(x, wt), attention, decode)
 
 
-def kernel_ops() -> Ops:
-    # Exactly as a model would call them: x @ W.T for a Linear, causal attention with GQA.
+def kernel_ops(ragged: bool = True) -> Ops:
+    # Exactly as a model would call them: x @ W.T for a Linear, causal attention with GQA, and the
+    # cache's lengths where they differ (None: every sequence fills it, as the framework block knows).
     return Ops(
         lambda x, wt: kernels.gemm(x.contiguous(), wt, trans_b=True),
         lambda q, k, v: kernels.attention(q, k, v, causal=True),
-        lambda q, k, v, lens: kernels.decode_attention(q, k, v, lens),
+        lambda q, k, v, lens: kernels.decode_attention(q, k, v, lens if ragged else None),
     )
 
 
-def compiled_kernel_ops() -> Ops:
-    """The shipped calls as custom ops, so that torch.compile keeps one graph around them."""
+def compiled_kernel_ops(ragged: bool = True) -> Ops:
+    """The shipped calls for torch.compile: the framework op traced where the configs keep it, the
+    kernels as custom ops elsewhere (kernels.compiled.Shipped)."""
     from kernels import compiled
 
+    shipped = compiled.Shipped()
     return Ops(
-        lambda x, wt: compiled.gemm(x, wt, True),
-        lambda q, k, v: compiled.attention(q, k, v, True),
-        compiled.decode_attention,
+        shipped.linear,
+        lambda q, k, v: shipped.attention(q, k, v, True),
+        lambda q, k, v, lens: shipped.decode_attention(q, k, v, lens if ragged else None),
     )
 
 
@@ -335,7 +331,7 @@ class Setup:
         return decode_block(x, cache, w, self.cfg, ops)
 
     def eager(self, variant: str) -> Callable[[], torch.Tensor]:
-        ops = framework_ops(self.ragged) if variant == "framework" else kernel_ops()
+        ops = framework_ops(self.ragged) if variant == "framework" else kernel_ops(self.ragged)
         backend = "tilelang" if variant == "tilelang" else None
 
         def call() -> torch.Tensor:
@@ -374,7 +370,7 @@ def compiled_fns(cfg: Model, ragged: bool, mode: str) -> dict[str, Callable[...,
     # One code object (fn's) holds every phase, dtype and variant's graph: more than dynamo's default
     # of 8 would silently run the rest eager, and an eager block would pass as the compiled reference.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return {"compiled": make(framework_ops(ragged)), "shipped_compiled": make(compiled_kernel_ops())}
+    return {"compiled": make(framework_ops(ragged)), "shipped_compiled": make(compiled_kernel_ops(ragged))}
 
 
 def evaluate(s: Setup, compiled: dict[str, Callable[..., Any]] | None = None) -> dict[str, Any]:
@@ -394,7 +390,7 @@ def evaluate(s: Setup, compiled: dict[str, Callable[..., Any]] | None = None) ->
             args = [s.x, s.w.astuple(), *((cache.k, cache.v, cache.lens) if cache else ())]
             out, tracked = compiled[variant](*args), None
         else:
-            ops = framework_ops(s.ragged) if variant == "framework" else kernel_ops()
+            ops = framework_ops(s.ragged) if variant == "framework" else kernel_ops(s.ragged)
             tracked = _Tracked(ops)
             with kernels.use_backend("tilelang" if variant == "tilelang" else None):
                 out = s.run(tracked.ops(), s.x, s.w, cache)

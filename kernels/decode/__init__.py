@@ -2,14 +2,18 @@
 # No `from __future__ import annotations` here: TileLang evaluates the prim_func annotations itself.
 
 Layout is SDPA's: q (B, Hq, Sq, D), k_cache and v_cache (B, Hkv, S_max, D), Hq a multiple of Hkv;
-cache_seqlens (B,) int32 holds each sequence's valid cache length L_b, the Sq new tokens included.
+cache_seqlens (B,) int32 holds each sequence's valid cache length L_b, the Sq new tokens included;
+None says that every sequence fills the cache (L_b = S_max), which lets the framework op run SDPA
+with no mask at all, its fastest correct call for one query per sequence.
 Query i of sequence b is the cache position L_b - Sq + i and sees keys j <= L_b - Sq + i (causal,
 aligned bottom-right); with Sq = 1 it sees the whole valid cache.
 
 The kernel works per kv head on the groups x Sq query rows that share it (row r = g * Sq + i, query
 head h * groups + g), padded to block_M. Each (batch, kv head, row block, split) block walks its
-split of the sequence's valid blocks and writes an fp32 partial output and its base-2 log-sum-exp;
-a second kernel of the same prim_func merges the splits into O in the input dtype.
+split of the sequence's valid blocks and writes an fp32 partial output and its base-2 log-sum-exp
+for the real rows only (the padding rows would make the workspace block_M / rows times larger: 16x
+for Llama's 4 query heads per kv head); a second kernel of the same prim_func merges the splits into
+O in the input dtype.
 """
 
 from collections.abc import Callable
@@ -33,7 +37,7 @@ def _plan(heads: int, kv_heads: int, seq_q: int, cache_len: int, cfg: dict[str, 
     row_blocks = -(-rows // bm)
     # More splits than the cache has blocks would only add empty splits.
     splits = max(1, min(int(cfg["num_splits"]), -(-cache_len // bn)))
-    # Combine rows per block: a power of two from 16 to 64, at most block_M (rows are padded to that).
+    # Combine rows per block: a power of two from 16 to 64, at most block_M.
     combine_m = 16
     while combine_m < min(64, rows):
         combine_m *= 2
@@ -41,7 +45,6 @@ def _plan(heads: int, kv_heads: int, seq_q: int, cache_len: int, cfg: dict[str, 
     return {
         "rows": rows,
         "row_blocks": row_blocks,
-        "rows_padded": row_blocks * bm,
         "splits": splits,
         "combine_m": combine_m,
     }
@@ -62,7 +65,7 @@ def program(
     bm, bn, d = cfg["block_M"], cfg["block_N"], head_dim
     groups = heads // kv_heads
     plan = _plan(heads, kv_heads, seq_q, cache_len, cfg)
-    rows, row_blocks, rows_padded = plan["rows"], plan["row_blocks"], plan["rows_padded"]
+    rows, row_blocks = plan["rows"], plan["row_blocks"]
     splits, cm = plan["splits"], plan["combine_m"]
     scale = (1.0 / d) ** 0.5 * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2 e)
     acc = "float32"
@@ -74,8 +77,8 @@ def program(
         K: T.Tensor((batch, kv_heads, cache_len, d), dtype),  # type: ignore[valid-type]
         V: T.Tensor((batch, kv_heads, cache_len, d), dtype),  # type: ignore[valid-type]
         Lens: T.Tensor((batch,), "int32"),  # type: ignore[valid-type]
-        O_part: T.Tensor((batch, kv_heads, splits, rows_padded, d), acc),  # type: ignore[valid-type]
-        Lse: T.Tensor((batch, kv_heads, rows_padded, splits), acc),  # type: ignore[valid-type]
+        O_part: T.Tensor((batch, kv_heads, splits, rows, d), acc),  # type: ignore[valid-type]
+        Lse: T.Tensor((batch, kv_heads, rows, splits), acc),  # type: ignore[valid-type]
         O: T.Tensor((batch, heads, seq_q, d), dtype),  # type: ignore[valid-type]
     ) -> None:
         # Split pass: block (kv head x row block, split, batch).
@@ -147,20 +150,25 @@ def program(
             for i, j in T.Parallel(bm, d):
                 o[i, j] = T.if_then_else(denom[i] > 0, o[i, j] / denom[i], 0)
             for i in T.Parallel(bm):
-                Lse[bz, hk, rb * bm + i, sp] = T.if_then_else(
-                    denom[i] > 0, T.log2(denom[i]) + m_cur[i] * scale, neg_inf
-                )
-            T.copy(o, O_part[bz, hk, sp, rb * bm : (rb + 1) * bm, :])
+                if rb * bm + i < rows:
+                    Lse[bz, hk, rb * bm + i, sp] = T.if_then_else(
+                        denom[i] > 0, T.log2(denom[i]) + m_cur[i] * scale, neg_inf
+                    )
+            for i, j in T.Parallel(bm, d):
+                if rb * bm + i < rows:
+                    O_part[bz, hk, sp, rb * bm + i, j] = o[i, j]
 
         # Combine pass: block (rows, kv head, batch) weighs each split by 2^(lse_split - lse_total).
-        with T.Kernel(rows_padded // cm, kv_heads, batch, threads=COMBINE_THREADS) as (cx, ch, cb):
+        # Rows past `rows` (the last block's padding) read as empty splits and are never written.
+        with T.Kernel(T.ceildiv(rows, cm), kv_heads, batch, threads=COMBINE_THREADS) as (cx, ch, cb):
             lse = T.alloc_fragment((cm, splits), acc)
             l_max = T.alloc_fragment((cm,), acc)
             l_sum = T.alloc_fragment((cm,), acc)
             w_s = T.alloc_shared((cm, splits), acc)
             acc_o = T.alloc_fragment((cm, d), acc)
 
-            T.copy(Lse[cb, ch, cx * cm : (cx + 1) * cm, :], lse)
+            for i, k in T.Parallel(cm, splits):
+                lse[i, k] = T.if_then_else(cx * cm + i < rows, Lse[cb, ch, cx * cm + i, k], neg_inf)
             T.reduce_max(lse, l_max, dim=1)
             for i in T.Parallel(cm):
                 l_max[i] = T.if_then_else(l_max[i] == neg_inf, 0, l_max[i])
@@ -172,7 +180,7 @@ def program(
             T.clear(acc_o)
             for k in T.serial(splits):
                 for i, j in T.Parallel(cm, d):
-                    acc_o[i, j] += w_s[i, k] * O_part[cb, ch, k, cx * cm + i, j]
+                    acc_o[i, j] += T.if_then_else(cx * cm + i < rows, w_s[i, k] * O_part[cb, ch, k, cx * cm + i, j], 0)
             for i, j in T.Parallel(cm, d):
                 if cx * cm + i < rows:
                     O[cb, ch * groups + (cx * cm + i) // seq_q, (cx * cm + i) % seq_q, j] = acc_o[i, j]
@@ -252,12 +260,24 @@ def build(
     )
 
 
+_full: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def full_lengths(batch: int, cache_len: int, device: torch.device) -> torch.Tensor:
+    """What cache_seqlens=None means, as the kernel takes it: int32 (B,) of S_max, made once per
+    (batch, length, device) so that a call does not launch a fill for it."""
+    key = (batch, cache_len, device)
+    if (hit := _full.get(key)) is None:
+        hit = _full[key] = torch.full((batch,), cache_len, dtype=torch.int32, device=device)
+    return hit
+
+
 def launch(
     kernel: Any,
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
+    cache_seqlens: torch.Tensor | None,
     out: torch.Tensor,
 ) -> torch.Tensor:
     """Run a built kernel into `out`: the fp32 workspaces (partial outputs, log-sum-exps) are sized
@@ -265,36 +285,48 @@ def launch(
     part, lse = (
         torch.empty([int(x) for x in prm.shape], dtype=torch.float32, device=q.device) for prm in kernel.params[4:6]
     )
+    if cache_seqlens is None:
+        cache_seqlens = full_lengths(q.shape[0], k_cache.shape[2], q.device)
     kernel(q, k_cache, v_cache, cache_seqlens, part, lse, out)
     return out
 
 
 def mask(cache_seqlens: torch.Tensor, seq_q: int, cache_len: int) -> torch.Tensor:
     """(B, 1, Sq, S_max) bool, True = attend: key j <= L_b - Sq + i for query i (so j < L_b)."""
+    j = torch.arange(cache_len, device=cache_seqlens.device).view(1, 1, 1, -1)
+    if seq_q == 1:  # j < L_b: two kernels where the general form takes six
+        return j < cache_seqlens.view(-1, 1, 1, 1)
     lens = cache_seqlens.to(torch.int64).view(-1, 1, 1, 1)
     i = torch.arange(seq_q, device=cache_seqlens.device).view(1, 1, -1, 1)
-    j = torch.arange(cache_len, device=cache_seqlens.device).view(1, 1, 1, -1)
     return j <= lens - seq_q + i
 
 
 def reference(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | None
 ) -> torch.Tensor:
+    """The fastest correct SDPA call: no mask where one query per sequence sees its whole cache,
+    otherwise the mask the lengths imply (SDPA has no bottom-right mask of its own with GQA)."""
+    gqa = q.shape[1] != k_cache.shape[1]
+    if cache_seqlens is None:
+        if q.shape[2] == 1:
+            return F.scaled_dot_product_attention(q, k_cache, v_cache, enable_gqa=gqa)
+        cache_seqlens = full_lengths(q.shape[0], k_cache.shape[2], q.device)
     m = mask(cache_seqlens.to(q.device), q.shape[2], k_cache.shape[2])
-    return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=m, enable_gqa=q.shape[1] != k_cache.shape[1])
+    return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=m, enable_gqa=gqa)
 
 
 def reference_exact(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | None
 ) -> torch.Tensor:
     """float64, per sequence on its valid keys only: one sequence's cache is upcast at a time, and the
     query heads of a kv head are its rows (no copy of the cache per query head)."""
-    _, h, sq, d = q.shape
+    b, h, sq, d = q.shape
     kv_heads = k_cache.shape[1]
     rows = h // kv_heads * sq
     out = torch.empty(q.shape, dtype=torch.float64, device=q.device)
     query_pos = torch.arange(rows, device=q.device).view(-1, 1) % sq  # row g * Sq + i is query i
-    for n, length in enumerate(cache_seqlens.tolist()):
+    lengths = [k_cache.shape[2]] * b if cache_seqlens is None else cache_seqlens.tolist()
+    for n, length in enumerate(lengths):
         k = k_cache[n, :, :length].to(torch.float64)  # (Hkv, L, D)
         v = v_cache[n, :, :length].to(torch.float64)
         s = q[n].to(torch.float64).reshape(kv_heads, rows, d) @ k.transpose(-1, -2) / d**0.5
@@ -309,12 +341,13 @@ def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
+    cache_seqlens: torch.Tensor | None,
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """softmax(q·kᵀ/√d)·v over each sequence's valid cache, causal bottom-right (see the module);
-    SDPA with the equivalent mask where the TileLang kernel does not apply."""
+    """softmax(q·kᵀ/√d)·v over each sequence's valid cache, causal bottom-right (see the module;
+    cache_seqlens None: every sequence fills the cache). Where the TileLang kernel does not apply,
+    SDPA's fastest correct call: no mask for one query per full sequence, else the lengths' mask."""
     # What the kernel supports comes first, where it can run second (as in kernels.attention).
     dtype = DTYPES.get(q.dtype, str(q.dtype).removeprefix("torch."))
     f: dict[str, Any] = {}
@@ -329,7 +362,7 @@ def decode_attention(
         reason = "unsupported shape: heads must be a multiple of kv_heads, batch equal"
     elif not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
         reason = "unsupported shape: non-contiguous input"
-    elif (
+    elif cache_seqlens is not None and (
         cache_seqlens.dtype != torch.int32
         or cache_seqlens.dim() != 1
         or cache_seqlens.shape[0] != q.shape[0]
@@ -345,7 +378,8 @@ def decode_attention(
         reason = "unsupported shape: `out` is not a contiguous tensor like q"
     device = None
     if not reason:
-        device, reason = _dispatch.tensor_device(q, k_cache, v_cache, cache_seqlens)
+        lens = () if cache_seqlens is None else (cache_seqlens,)
+        device, reason = _dispatch.tensor_device(q, k_cache, v_cache, *lens)
 
     def run(cfg: dict[str, Any], dev: str) -> torch.Tensor:
         kernel = build(**f, device=dev, cfg=cfg)

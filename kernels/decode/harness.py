@@ -1,6 +1,7 @@
 """The decode operator for the pilot: a few new query tokens per sequence against a KV cache with
-per-sequence lengths (cache_seqlens), causal bottom-right, GQA; against SDPA with the mask those
-lengths imply."""
+per-sequence lengths (cache_seqlens), causal bottom-right, GQA; against SDPA's fastest correct call
+for the case: no mask where one query per sequence sees a full cache, the lengths' mask otherwise.
+A case whose sequences all fill the cache (min_len = cache_len) calls with cache_seqlens=None."""
 
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ def lengths(dims: dict[str, int]) -> list[int]:
 @registry.register
 class Decode(Operator):
     name = "decode"
-    reference = "torch.nn.functional.scaled_dot_product_attention (attn_mask: bottom-right causal over cache_seqlens)"
+    reference = (
+        "torch.nn.functional.scaled_dot_product_attention (no mask for one query per full sequence, "
+        "else attn_mask: bottom-right causal over cache_seqlens)"
+    )
     dims = (*SHAPE, "min_len")
     variant = "mask"
     variants = ("bottom-right",)
@@ -66,7 +70,9 @@ class Decode(Operator):
         q = randn(d["batch"], d["heads"], d["seq_q"], d["head_dim"])
         k = randn(d["batch"], d["kv_heads"], d["cache_len"], d["head_dim"])
         v = randn(d["batch"], d["kv_heads"], d["cache_len"], d["head_dim"])
-        seqlens = torch.tensor(lengths(d), dtype=torch.int32, device=device)
+        lens = lengths(d)
+        full = min(lens) == d["cache_len"]
+        seqlens = None if full else torch.tensor(lens, dtype=torch.int32, device=device)
         return q, k, v, seqlens
 
     def output(self, case: Case, inputs: tuple[Any, ...]) -> Any:
@@ -83,14 +89,18 @@ class Decode(Operator):
         self.kernel.launch(kernel, *inputs, out)
 
     def framework(self, case: Case, inputs: tuple[Any, ...]) -> Framework:
-        """SDPA with the boolean mask the lengths imply, built once outside the timed call (a serving
-        engine builds it once per step for every layer), held to the backend SDPA picks."""
+        """SDPA's fastest correct call: no mask for one query per full sequence, else the boolean mask
+        the lengths imply, built once outside the timed call (a serving engine builds it once per step
+        for every layer); held to the backend SDPA picks."""
         import torch
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         q, k, v, seqlens = inputs
-        mask = self.kernel.mask(seqlens, q.shape[2], k.shape[2])
+        mask = None
+        if seqlens is not None or q.shape[2] > 1:
+            lens = self.kernel.full_lengths(q.shape[0], k.shape[2], q.device) if seqlens is None else seqlens
+            mask = self.kernel.mask(lens, q.shape[2], k.shape[2])
         gqa = q.shape[1] != k.shape[1]
         idx = torch._fused_sdp_choice(q, k, v, mask, 0.0, False, scale=None, enable_gqa=gqa)
         backend = SDPBackend(idx)

@@ -1,0 +1,116 @@
+"""kernels.compiled.Shipped under a real torch.compile (dynamo, CPU): the framework op traced where
+the device's rules keep it, the custom op where they ship the kernel, and a rule's bound on a dynamic
+dimension guarding the graph, so that a call past it recompiles to the other side."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from kernels import _config, compiled, decode
+
+CUSTOM = ("tilepilot_kernels.gemm", "tilepilot_kernels.attention", "tilepilot_kernels.decode_attention")
+
+
+class Graphs:
+    """A dynamo backend that notes the custom ops each compiled graph calls, when it is compiled
+    (`ops`) and each time it runs (`ran`), then runs it as traced."""
+
+    def __init__(self) -> None:
+        self.ops: list[set[str]] = []
+        self.ran: list[set[str]] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        called = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+        mine = {name for name in CUSTOM if any(name in c for c in called)}
+        self.ops.append(mine)
+
+        def run(*args: Any) -> Any:
+            self.ran.append(mine)
+            return gm.forward(*args)
+
+        return run
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> None:
+    torch._dynamo.reset()
+
+
+def test_keeps_framework_is_the_first_rule_that_names_a_backend() -> None:
+    rules = [
+        {"when": {"m_max": 64}, "block_M": 64},  # no backend: a config change, the walk goes on
+        {"when": {"n_unaligned": True}, "backend": "tilelang"},
+        {"when": {}, "backend": "framework", "reason": "measured slower"},
+    ]
+    assert compiled.keeps_framework(rules, {"m": 16, "n_unaligned": False})
+    assert not compiled.keeps_framework(rules, {"m": 16, "n_unaligned": True})
+    assert not compiled.keeps_framework(rules[:1], {"m": 16})  # no backend named: the kernel, as _config does
+    assert compiled.keeps_framework(None, {"m": 16})  # no config: the framework op
+    assert compiled.device_rules(None, "gemm") is None
+    assert compiled.device_rules("sm90", "no-such-op") is None
+    sm90 = _config.load("sm90")
+    assert sm90 is not None and compiled.device_rules("sm90", "gemm") == sm90["gemm"]["rules"]
+
+
+def test_linear_traces_torch_matmul_where_sm90_keeps_it_and_the_custom_op_where_it_ships() -> None:
+    shipped = compiled.Shipped("sm90")
+    graphs = Graphs()
+    fn = torch.compile(shipped.linear, backend=graphs, dynamic=False)
+    g = torch.Generator().manual_seed(0)
+    # Llama's o-projection layout, small: sm90's last rule keeps torch.matmul.
+    x, w = (torch.randn(s, generator=g, dtype=torch.float16) for s in [(16, 64), (96, 64)])
+    assert torch.equal(fn(x, w), torch.matmul(x, w.t()))
+    # C's rows unaligned (n % 8 != 0), all sides >= 1024, A.B^T: sm90 ships the TileLang kernel.
+    x, w = (torch.randn(s, generator=g, dtype=torch.float16) for s in [(1024, 1024), (1025, 1024)])
+    got = fn(x, w)  # on CPU the custom op runs kernels.gemm, which falls back to torch.matmul
+    assert torch.equal(got, torch.matmul(x, w.t()))
+    assert graphs.ops == [set(), {"tilepilot_kernels.gemm"}]
+
+
+def test_a_rule_on_a_dynamic_dimension_guards_the_graph() -> None:
+    shipped = compiled.Shipped("sm90")
+    shipped.rules["decode"] = [{"when": {"batch_max": 4}, "backend": "framework"}]  # the kernel from batch 5
+    graphs = Graphs()
+    fn = torch.compile(shipped.decode_attention, backend=graphs, dynamic=True)
+    g = torch.Generator().manual_seed(1)
+
+    def args(b: int) -> tuple[torch.Tensor, ...]:
+        q = torch.randn(b, 8, 1, 64, generator=g, dtype=torch.float16)
+        k, v = (torch.randn(b, 2, 32, 64, generator=g, dtype=torch.float16) for _ in range(2))
+        return q, k, v, torch.randint(1, 33, (b,), generator=g, dtype=torch.int32)
+
+    for b in (3, 4, 7, 5, 4, 3):  # sizes apart from the others', which dynamo would tie to them
+        a = args(b)
+        graphs.ran.clear()
+        torch.testing.assert_close(fn(*a), decode.reference(*a))
+        assert {"tilepilot_kernels.decode_attention"} in graphs.ran if b > 4 else not any(graphs.ran), (b, graphs.ran)
+    # Graphs of both sides, compiled once each: the later calls on a side reuse its graph.
+    assert {frozenset(o) for o in graphs.ops} == {frozenset(), frozenset({"tilepilot_kernels.decode_attention"})}
+    assert len(graphs.ops) <= 3, graphs.ops
+
+
+def test_the_block_compiles_with_the_shipped_calls() -> None:
+    from tilepilot import matrix, model
+    from tilepilot.blockspec import BlockConfig
+
+    cfg = matrix.load().model.model_copy(
+        update={"hidden": 256, "heads": 4, "kv_heads": 2, "head_dim": 64, "intermediate": 512}
+    )
+    bc = BlockConfig("decode", "bfloat16", batch=3, cache=64)
+    s = model.Setup(cfg, bc, "cpu")
+    graphs = Graphs()
+    ops = model.compiled_kernel_ops(s.ragged)
+
+    def fn(x: torch.Tensor, *kv: torch.Tensor) -> torch.Tensor:
+        return model.decode_block(x, model.Cache(*kv), s.w, cfg, ops)
+
+    c = s.cache
+    assert c is not None
+    want = model.decode_block(s.x, c.clone(), s.w, cfg, model.framework_ops(s.ragged))
+    got = torch.compile(fn, backend=graphs)(s.x, *(lambda cc: (cc.k, cc.v, cc.lens))(c.clone()))
+    torch.testing.assert_close(got, want)
+    assert graphs.ops == [set()]  # CPU tensors: no device config, every call is the framework op, traced
