@@ -125,9 +125,8 @@ class Shipped:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | None
     ) -> torch.Tensor:
         b, h, sq, d = q.shape
-        facts = _decode.facts(
-            b, h, k_cache.shape[1], sq, k_cache.shape[2], d, _decode.DTYPES.get(q.dtype, str(q.dtype))
-        )
+        dtype = _decode.DTYPES.get(q.dtype, str(q.dtype))
+        facts = _decode.facts(b, h, k_cache.shape[1], sq, k_cache.shape[2], d, dtype, cache_seqlens is None)
         if keeps_framework(self.rules["decode"], facts):
             return _decode.reference(q, k_cache, v_cache, cache_seqlens)
         return decode_attention(q, k_cache, v_cache, cache_seqlens)

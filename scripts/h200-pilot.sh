@@ -31,7 +31,7 @@ done
 # The reproducer's GPU path (minimizing a wrong-values kernel by running it), when time is left.
 left=$(( limit - ($(date +%s) - t0) ))
 if [ "${GPU_TESTS:-1}" = 1 ] && [ "$left" -gt 90 ]; then
-  timeout "$left" python3 -m pytest -q -p no:cacheprovider tests/test_repro.py tests/test_model.py 2>&1 | tail -15 | tee "$OUT/gpu-tests.log"
+  timeout "$left" python3 -m pytest -q -p no:cacheprovider tests/test_repro.py tests/test_model.py tests/test_decode_kernel.py tests/test_compiled.py 2>&1 | tail -15 | tee "$OUT/gpu-tests.log"
 fi
 # Nsight Compute on the pinned kernels and their framework ops (PROFILE=1), when time is left.
 left=$(( limit - ($(date +%s) - t0) ))

@@ -197,8 +197,10 @@ def tunable(
     head_dim: int,
     dtype: str,
     base: dict[str, Any],
+    full: bool = False,
 ) -> Callable[..., Any]:
-    """The program as TileLang's AutoTuner takes it (see kernels.gemm.tunable)."""
+    """The program as TileLang's AutoTuner takes it (see kernels.gemm.tunable); `full` is a fact of
+    the call, not of the program."""
     knobs = {key: int(base[key]) for key in ("block_M", "block_N", "num_splits", "num_stages", "threads")}
 
     def fn(
@@ -221,8 +223,18 @@ def tunable(
 
 
 def facts(
-    batch: int, heads: int, kv_heads: int, seq_q: int, cache_len: int, head_dim: int, dtype: str
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    seq_q: int,
+    cache_len: int,
+    head_dim: int,
+    dtype: str,
+    full: bool = False,
 ) -> dict[str, Any]:
+    """What the rules match. `full`: called with cache_seqlens=None, every sequence filling the cache,
+    where the framework op is SDPA without a mask, a faster call than the masked one the rules weigh
+    the kernel against otherwise."""
     return {
         "batch": batch,
         "heads": heads,
@@ -231,6 +243,7 @@ def facts(
         "cache_len": cache_len,
         "head_dim": head_dim,
         "dtype": dtype,
+        "full": full,
     }
 
 
@@ -244,14 +257,16 @@ def build(
     dtype: str,
     device: str,
     cfg: dict[str, Any] | None = None,
+    full: bool = False,
 ) -> Any:
-    f = facts(batch, heads, kv_heads, seq_q, cache_len, head_dim, dtype)
+    f = facts(batch, heads, kv_heads, seq_q, cache_len, head_dim, dtype, full)
     if cfg is None:
         choice = _config.choose(device, "decode", f)
         if choice is None:
             raise KeyError(f"no decode config for {device}")
         cfg = choice.config
-    key = ("decode", *f.values(), device, tuple(sorted(cfg.items())))
+    # One program for full and given lengths: `full` stays out of the compile's key.
+    key = ("decode", batch, heads, kv_heads, seq_q, cache_len, head_dim, dtype, device, tuple(sorted(cfg.items())))
     return _dispatch.compile_kernel(
         key,
         lambda: program(batch, heads, kv_heads, seq_q, cache_len, head_dim, dtype, cfg),
@@ -373,7 +388,7 @@ def decode_attention(
         reason = f"unsupported shape: seq_q {q.shape[2]} > cache length {k_cache.shape[2]}"
     else:
         b, h, sq, d = q.shape
-        f = facts(b, h, k_cache.shape[1], sq, k_cache.shape[2], d, dtype)
+        f = facts(b, h, k_cache.shape[1], sq, k_cache.shape[2], d, dtype, cache_seqlens is None)
     if out is not None and not reason and (out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous()):
         reason = "unsupported shape: `out` is not a contiguous tensor like q"
     device = None

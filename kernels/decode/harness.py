@@ -41,7 +41,12 @@ class Decode(Operator):
         return None
 
     def build_args(self, case: Case) -> dict[str, Any]:
-        return {**{k: case.dims[k] for k in SHAPE}, "dtype": case.dtype}
+        # full: the case calls with cache_seqlens=None (see inputs), which the rules tell apart.
+        full = min(lengths(case.dims)) == case.dims["cache_len"]
+        return {**{k: case.dims[k] for k in SHAPE}, "dtype": case.dtype, "full": full}
+
+    def program_args(self, case: Case) -> dict[str, Any]:
+        return {k: v for k, v in self.build_args(case).items() if k != "full"}
 
     def _pairs(self, case: Case) -> float:
         sq = case.dims["seq_q"]
@@ -70,9 +75,8 @@ class Decode(Operator):
         q = randn(d["batch"], d["heads"], d["seq_q"], d["head_dim"])
         k = randn(d["batch"], d["kv_heads"], d["cache_len"], d["head_dim"])
         v = randn(d["batch"], d["kv_heads"], d["cache_len"], d["head_dim"])
-        lens = lengths(d)
-        full = min(lens) == d["cache_len"]
-        seqlens = None if full else torch.tensor(lens, dtype=torch.int32, device=device)
+        full = self.build_args(case)["full"]
+        seqlens = None if full else torch.tensor(lengths(d), dtype=torch.int32, device=device)
         return q, k, v, seqlens
 
     def output(self, case: Case, inputs: tuple[Any, ...]) -> Any:
