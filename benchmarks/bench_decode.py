@@ -1,4 +1,5 @@
-"""Decode attention over a KV cache: the TileLang kernel against SDPA with the cache lengths' mask."""
+"""Decode attention over a KV cache: the TileLang kernel against SDPA's fastest correct call (no mask
+for one query per full sequence, the cache lengths' mask otherwise)."""
 
 from benchmarks._suite import _OperatorSuite, case_ids
 
