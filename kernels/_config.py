@@ -175,7 +175,9 @@ def resolve(device: str, op: str, facts: dict[str, Any]) -> Choice | None:
     The Choice returned is shared: its config must not be changed."""
     forced = _forced.get()
     try:
-        key: tuple[Any, ...] = (device, op, forced, *facts.items())
+        # Values only: an op's facts come from its facts(), one set of keys in one order, and a key
+        # of (name, value) pairs cost twice as much to build and hash on every call.
+        key: tuple[Any, ...] = (device, op, forced, *facts.values())
         hit = _choices.get(key)
     except TypeError:  # an unhashable fact: resolved every time, as before the memo
         return _resolve(device, op, facts, forced)

@@ -12,10 +12,11 @@ _counts: Counter[tuple[str, str]] = Counter()
 
 
 def record(op: str, reason: str) -> None:
-    with _lock:
-        first = (op, reason) not in _counts
-        _counts[(op, reason)] += 1
-    if first:
+    key = (op, reason)
+    with _lock:  # one lookup: this runs on every call that falls back
+        n = _counts.get(key, 0)
+        _counts[key] = n + 1
+    if not n:
         log.warning("kernels.%s: using the framework op: %s", op, reason)
 
 
