@@ -175,9 +175,10 @@ def resolve(device: str, op: str, facts: dict[str, Any]) -> Choice | None:
     The Choice returned is shared: its config must not be changed."""
     forced = _forced.get()
     try:
-        # Values only: an op's facts come from its facts(), one set of keys in one order, and a key
-        # of (name, value) pairs cost twice as much to build and hash on every call.
-        key: tuple[Any, ...] = (device, op, forced, *facts.values())
+        # The names as one tuple and the values after it: cheaper to build and hash than (name,
+        # value) pairs on every call, and two dicts of one op's facts in another order or with
+        # other names still make different keys.
+        key: tuple[Any, ...] = (device, op, forced, tuple(facts), *facts.values())
         hit = _choices.get(key)
     except TypeError:  # an unhashable fact: resolved every time, as before the memo
         return _resolve(device, op, facts, forced)

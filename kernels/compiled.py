@@ -70,14 +70,16 @@ def _(
 def keeps_framework(rules: list[dict[str, Any]] | None, facts: dict[str, Any]) -> bool:
     """Whether the first matching rule that names a backend says "framework" (the walk of
     kernels._config, without the configs it merges): pure, so that dynamo can trace it. No config
-    (None) keeps the framework op, as the public function does at run time."""
+    (None) keeps the framework op, as the public function does at run time. use_backend() is not
+    consulted: it decides at run time, inside the custom ops."""
     if rules is None:
         return True
     for rule in rules:
-        if _config.matches(rule.get("when", {}), facts):
-            backend = rule.get("backend")
-            if backend is not None:
-                return bool(backend == "framework")
+        # Rules that only change the config cannot change the decision: matched, they would add a
+        # guard (a recompile) on a dynamic dimension for nothing.
+        backend = rule.get("backend")
+        if backend in ("framework", "tilelang") and _config.matches(rule.get("when", {}), facts):
+            return bool(backend == "framework")
     return False
 
 

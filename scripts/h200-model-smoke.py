@@ -27,7 +27,12 @@ def main() -> int:
     assert mx.model.decoding is not None, "matrix.toml [model] has no decode phase"
     args = sys.argv[1:]
     full = "--full-decode" in args
-    mode = args[args.index("--compile-mode") + 1] if "--compile-mode" in args else mx.model.compile
+    mode = mx.model.compile
+    if "--compile-mode" in args:
+        if args.index("--compile-mode") + 1 >= len(args):
+            print("h200-model-smoke.py: --compile-mode needs a mode (e.g. max-autotune-no-cudagraphs)")
+            return 2
+        mode = args[args.index("--compile-mode") + 1]
     out = next((Path(a) for a in args if not a.startswith("--") and a != mode), None)
     decoding = mx.model.decoding if full else mx.model.decoding.model_copy(update={"batch": [1, 8], "cache": [2048]})
     update = {"tokens": [512], "dtypes": ["bfloat16"], "decoding": decoding, "compile": mode}

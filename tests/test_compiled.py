@@ -93,24 +93,71 @@ def test_a_rule_on_a_dynamic_dimension_guards_the_graph() -> None:
     assert len(graphs.ops) <= 3, graphs.ops
 
 
-def test_the_block_compiles_with_the_shipped_calls() -> None:
+@pytest.mark.parametrize(
+    ("batch", "device", "want"),
+    [
+        (8, "sm90", {"tilepilot_kernels.decode_attention"}),  # ragged, a 4k cache: sm90 ships the kernel
+        (1, "sm90", set()),  # one full sequence: cache_seqlens=None, SDPA without a mask, traced
+        (8, None, set()),  # no device config (CPU): every call the framework op, traced
+    ],
+)
+def test_the_decode_block_compiles_with_the_shipped_calls(batch: int, device: str | None, want: set[str]) -> None:
     from tilepilot import matrix, model
     from tilepilot.blockspec import BlockConfig
 
     cfg = matrix.load().model.model_copy(
         update={"hidden": 256, "heads": 4, "kv_heads": 2, "head_dim": 64, "intermediate": 512}
     )
-    bc = BlockConfig("decode", "bfloat16", batch=3, cache=64)
-    s = model.Setup(cfg, bc, "cpu")
+    s = model.Setup(cfg, BlockConfig("decode", "bfloat16", batch=batch, cache=4096), "cpu")
+    assert s.ragged == (batch > 1)
     graphs = Graphs()
-    ops = model.compiled_kernel_ops(s.ragged)
+    ops = model.compiled_kernel_ops(s.ragged, device)
 
     def fn(x: torch.Tensor, *kv: torch.Tensor) -> torch.Tensor:
         return model.decode_block(x, model.Cache(*kv), s.w, cfg, ops)
 
     c = s.cache
     assert c is not None
-    want = model.decode_block(s.x, c.clone(), s.w, cfg, model.framework_ops(s.ragged))
-    got = torch.compile(fn, backend=graphs)(s.x, *(lambda cc: (cc.k, cc.v, cc.lens))(c.clone()))
-    torch.testing.assert_close(got, want)
-    assert graphs.ops == [set()]  # CPU tensors: no device config, every call is the framework op, traced
+    want_out = model.decode_block(s.x, c.clone(), s.w, cfg, model.framework_ops(s.ragged))
+    cc = c.clone()
+    got = torch.compile(fn, backend=graphs)(s.x, cc.k, cc.v, cc.lens)
+    torch.testing.assert_close(got, want_out)
+    assert graphs.ops == [want]  # one graph, no break: the GEMMs traced as torch.matmul on sm90 too
+
+
+def test_keeps_framework_agrees_with_the_run_time_choice() -> None:
+    """The trace-time walk and kernels._config's own resolution, over a grid of facts of every op on
+    both configured devices: the same backend everywhere."""
+    mods = {op: __import__("kernels").operator_module(op) for op in ("gemm", "attention", "decode")}
+    grid: dict[str, list[dict[str, object]]] = {
+        "gemm": [
+            mods["gemm"].facts(m, n, k, layout, dt)
+            for m in (1, 16, 64, 65, 1000, 4096)
+            for n in (128, 1000, 4097, 28672)
+            for k in (64, 1024, 4096)
+            for layout in ("nn", "nt")
+            for dt in ("float16", "bfloat16")
+        ],
+        "attention": [
+            mods["attention"].facts(b, 32, 8, sq, skv, 128, mask, "bfloat16")
+            for b in (1, 8)
+            for sq in (1, 64, 65, 4096)
+            for skv in (64, 4096, 32768)
+            for mask in ("none", "causal")
+        ],
+        "decode": [
+            mods["decode"].facts(b, 32, 8, sq, c, 128, dt, full)
+            for b in (1, 2, 8, 9, 15, 16, 32)
+            for sq in (1, 2, 16)
+            for c in (1, 128, 4095, 4096, 16383, 16384, 65536, 131072)
+            for dt in ("float16", "bfloat16")
+            for full in (False, True)
+        ],
+    }
+    for device in ("sm90", "sm80"):
+        for op, all_facts in grid.items():
+            rules = compiled.device_rules(device, op)
+            for f in all_facts:
+                ch = _config.choose(device, op, f)
+                assert ch is not None
+                assert compiled.keeps_framework(rules, f) == (ch.backend == "framework"), (device, op, f)

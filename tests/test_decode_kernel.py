@@ -170,6 +170,21 @@ def test_seq_q_longer_than_cache_is_refused() -> None:
     assert only_reason() == "unsupported shape: seq_q 5 > cache length 4"
 
 
+def test_plan_splits_are_a_power_of_two_within_the_cache() -> None:
+    # TileLang's all-reduce over the splits in the combine needs a power of two (3 fails to build).
+    cfg = {"block_M": 64, "block_N": 128, "num_splits": 16}
+    assert [decode._plan(32, 8, 1, c, cfg)["splits"] for c in (1, 128, 129, 384, 640, 1000, 4096)] == [
+        1,
+        1,
+        2,
+        2,
+        4,
+        8,
+        16,
+    ]
+    assert decode._plan(16, 4, 77, 4097, cfg)["rows"] == 308
+
+
 def test_config_and_tunable() -> None:
     # sm90 ships the kernel for ragged lengths from a 4k cache, not for a full one (SDPA unmasked).
     ragged, full = (decode.facts(8, 32, 8, 1, 32768, 128, "bfloat16", full) for full in (False, True))

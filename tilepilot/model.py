@@ -259,12 +259,13 @@ def kernel_ops(ragged: bool = True) -> Ops:
     )
 
 
-def compiled_kernel_ops(ragged: bool = True) -> Ops:
+def compiled_kernel_ops(ragged: bool = True, device: str | None = None) -> Ops:
     """The shipped calls for torch.compile: the framework op traced where the configs keep it, the
-    kernels as custom ops elsewhere (kernels.compiled.Shipped)."""
+    kernels as custom ops elsewhere (kernels.compiled.Shipped; `device`: the config device, by
+    default the current GPU's)."""
     from kernels import compiled
 
-    shipped = compiled.Shipped()
+    shipped = compiled.Shipped(device)
     return Ops(
         shipped.linear,
         lambda q, k, v: shipped.attention(q, k, v, True),

@@ -8,7 +8,7 @@ ways, the two sides interleaved so that drift hits both alike:
                    of `rounds` such batches. What a model's step pays while the GPU keeps up.
   single_us        one call on an idle GPU, synchronised before and after; the median of `singles`.
 
-`direct` is the operator's fallback_reference: the framework call the shipped path makes where the
+`direct` is the operator's fallback_call: the framework call the shipped path makes where the
 config keeps the framework op. `added` = shipped - direct, in µs, for both: lower is better, 0 is "a dispatch that costs nothing"
 (it may come out a little negative: the noise). The record is the measure record's "overhead" key
 (measure-<op>.json); without a CUDA device the measurement is skipped with its reason, never faked.
@@ -113,12 +113,10 @@ def measure_overhead(op_name: str) -> dict[str, Any]:
     import kernels
 
     inputs = op.inputs(case, 0)
-
-    def direct() -> Any:
-        # The call the shipped path's fallback makes (SDPA's own backend choice, the decode mask built
-        # per call): the timed reference's backend pin and prebuilt mask would put host work on one side only.
-        return op.fallback_reference(case, inputs)
-
+    # The call the shipped path's fallback makes (SDPA's own backend choice, the decode mask built per
+    # call), bound once: the timed reference's backend pin and prebuilt mask, or the harness's own
+    # lookups per call, would put host work on one side only.
+    direct = op.fallback_call(case, inputs)
     kernels.clear_fallback_reasons()
     shipped_calls = [0]
 

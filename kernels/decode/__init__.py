@@ -35,8 +35,10 @@ def _plan(heads: int, kv_heads: int, seq_q: int, cache_len: int, cfg: dict[str, 
     bm, bn = int(cfg["block_M"]), int(cfg["block_N"])
     rows = heads // kv_heads * seq_q
     row_blocks = -(-rows // bm)
-    # More splits than the cache has blocks would only add empty splits.
+    # More splits than the cache has blocks would only add empty splits; a power of two, since the
+    # combine's reduction over splits needs one (TileLang's butterfly all-reduce: 3 fails to build).
     splits = max(1, min(int(cfg["num_splits"]), -(-cache_len // bn)))
+    splits = 1 << (splits.bit_length() - 1)
     # Combine rows per block: a power of two from 16 to 64, at most block_M.
     combine_m = 16
     while combine_m < min(64, rows):
@@ -276,6 +278,7 @@ def build(
 
 
 _full: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+_MAX_FULL = 64  # a cache that grows every step would add an entry per step: the memo starts over
 
 
 def full_lengths(batch: int, cache_len: int, device: torch.device) -> torch.Tensor:
@@ -283,6 +286,8 @@ def full_lengths(batch: int, cache_len: int, device: torch.device) -> torch.Tens
     (batch, length, device) so that a call does not launch a fill for it."""
     key = (batch, cache_len, device)
     if (hit := _full.get(key)) is None:
+        if len(_full) >= _MAX_FULL:
+            _full.clear()
         hit = _full[key] = torch.full((batch,), cache_len, dtype=torch.int32, device=device)
     return hit
 
@@ -322,11 +327,15 @@ def reference(
     """The fastest correct SDPA call: no mask where one query per sequence sees its whole cache,
     otherwise the mask the lengths imply (SDPA has no bottom-right mask of its own with GQA)."""
     gqa = q.shape[1] != k_cache.shape[1]
+    sq, s_max = q.shape[2], k_cache.shape[2]
     if cache_seqlens is None:
-        if q.shape[2] == 1:
+        if sq == 1:
             return F.scaled_dot_product_attention(q, k_cache, v_cache, enable_gqa=gqa)
-        cache_seqlens = full_lengths(q.shape[0], k_cache.shape[2], q.device)
-    m = mask(cache_seqlens.to(q.device), q.shape[2], k_cache.shape[2])
+        # Bottom-right causal over the whole cache: one (Sq, S_max) mask for the batch, from shapes
+        # only (no per-batch lengths, nothing for torch.compile to fix as a constant).
+        m = torch.ones(sq, s_max, dtype=torch.bool, device=q.device).tril(s_max - sq)
+        return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=m, enable_gqa=gqa)
+    m = mask(cache_seqlens.to(q.device), sq, s_max)
     return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=m, enable_gqa=gqa)
 
 
