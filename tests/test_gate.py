@@ -1012,8 +1012,10 @@ def test_an_unpinned_image_fails_a_required_device_when_the_gate_asks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from tilepilot import gate as gate_mod
+    from tilepilot import paths
 
     monkeypatch.setenv("TILEPILOT_LOCKS", str(tmp_path))
+    monkeypatch.setattr(paths, "_used", None)  # an earlier in-process command may have fixed the paths
 
     def judged(mx: matrix.Matrix) -> dict[str, Any]:
         devices = [{"device": d, "status": "PASS", "required": d in mx.gate.required} for d in mx.devices]

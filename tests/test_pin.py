@@ -22,7 +22,7 @@ import pytest
 from conftest import require_engine
 from test_containers import BASE, _engine, cpu_device, engine, smoke, smoke_matrix, tilepilot  # noqa: F401 (fixtures)
 
-from tilepilot import containers, digests, matrix
+from tilepilot import containers, digests, matrix, paths
 
 ROOT = Path(__file__).resolve().parent.parent
 REGISTRY = os.environ.get("TILEPILOT_REGISTRY", "127.0.0.1:5000")
@@ -315,6 +315,7 @@ def test_check_of_unpinned_bases_needs_no_engine_and_fails() -> None:
 def test_not_reproducible_names_base_and_lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     row = matrix.load(ROOT / "matrix.toml").devices["sm90"]
     monkeypatch.setenv("TILEPILOT_LOCKS", str(tmp_path))
+    monkeypatch.setattr(paths, "_used", None)  # an earlier in-process command may have fixed the paths
     assert digests.not_reproducible(row, "sm90") == ["base unpinned", "no lock"]
     (tmp_path / "sm90.lock").write_text("x==1 --hash=sha256:" + "0" * 64 + "\n")
     pinned = row.model_copy(update={"base_digest": DIGEST})
