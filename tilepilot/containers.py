@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -81,9 +82,10 @@ def source_of(row: matrix.Device, source: str) -> str:
     return source
 
 
-def _resolve(device: str, row: matrix.Device, index: list[str]) -> list[tuple[str, str, str]]:
-    """(name, version, sha256) of every wheel the row's requirements resolve to, from pip's dry-run
-    report: the index's own sha256 of each file, nothing downloaded (a CUDA stack is several GB)."""
+def _resolve(device: str, row: matrix.Device, index: list[str]) -> tuple[list[tuple[str, str, str]], dict[str, str]]:
+    """(name, version, sha256) of every wheel the row's requirements resolve to, and each one's URL,
+    from pip's dry-run report: the index's own sha256 of each file, nothing downloaded (a CUDA stack
+    is several GB)."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         ca = next((os.environ[k] for k in ("PIP_CERT", "SSL_CERT_FILE") if os.environ.get(k)), None)
@@ -93,6 +95,7 @@ def _resolve(device: str, row: matrix.Device, index: list[str]) -> list[tuple[st
             "pip",
             "--isolated",  # no config file, no PIP_* variable: the index named here and nothing else
             *(["--cert", ca] if ca else []),
+            *("--retries", "1", "--timeout", "20"),  # an unreachable index: minutes per page otherwise
             "install",
             "--dry-run",
             "--ignore-installed",
@@ -114,14 +117,15 @@ def _resolve(device: str, row: matrix.Device, index: list[str]) -> list[tuple[st
                 f"lock for {device}: pip could not resolve {' '.join(requirements(row))} from {index[1]}: "
                 f"{(errors or ['pip failed'])[0]}"
             )
-        out = []
+        out, urls = [], {}
         for item in json.loads(report.read_text(encoding="utf-8"))["install"]:
             name = str(item["metadata"]["name"]).replace("_", "-").lower()
             sha = item["download_info"].get("archive_info", {}).get("hashes", {}).get("sha256")
             if not sha:
                 raise UserError(f"lock for {device}: {index[1]} gave no sha256 for {name}; use an index that does")
             out.append((name, str(item["metadata"]["version"]), str(sha)))
-    return sorted(out)
+            urls[name] = str(item["download_info"].get("url", ""))
+    return sorted(out), urls
 
 
 def _cuda_of(pins: list[tuple[str, str, str]]) -> str | None:
@@ -149,7 +153,7 @@ def lock(mx: matrix.Matrix, device: str, wheelhouse: Path | None = None, source:
                     f"lock for {device}: PyPI has no ROCm build of torch {row.torch}; the row needs "
                     f"{row.torch_index}: {_other_index(device, row)}"
                 )
-            pins = _resolve(device, row, ["--index-url", PYPI])
+            pins, _ = _resolve(device, row, ["--index-url", PYPI])
             cuda = _cuda_of(pins)
             if row.vendor == "nvidia" and cuda != row.toolkit_version:
                 raise UserError(
@@ -162,9 +166,16 @@ def lock(mx: matrix.Matrix, device: str, wheelhouse: Path | None = None, source:
                 raise UserError(f"lock for {device}: --from torch-index, but the row has no torch_index")
             index = ["--index-url", row.torch_index, "--extra-index-url", PYPI]
             try:
-                pins = _resolve(device, row, index)
+                pins, urls = _resolve(device, row, index)
             except UserError as exc:
                 raise UserError(f"{exc}; {_other_index(device, row)}") from None
+            # pip goes on without an index it cannot reach: torch from PyPI instead is the wrong build.
+            came_from = urllib.parse.urlsplit(urls.get("torch", "")).netloc or "nowhere"
+            if came_from != urllib.parse.urlsplit(row.torch_index).netloc:
+                raise UserError(
+                    f"lock for {device}: torch {row.torch} resolved from {came_from}, not from the row's "
+                    f"index {row.torch_index} (unreachable here?); {_other_index(device, row)}"
+                )
             where = f"{row.torch_index} and PyPI"
     lines = [
         f"# tilepilot lock for {device}: {row.name}, Python {row.python}; written by `tilepilot image lock`",
