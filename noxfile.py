@@ -2,6 +2,7 @@
 
 nox -s pilot-sm90            # build, correctness, measure (asv), publish; host mode without Docker
 nox -s tests                 # the test suite, in its own pinned virtualenv
+nox -s pin-sm90              # sm90's base image pinned by digest (matrix.toml); nox -s image-check
 nox -s lint | publish | gate
 nox -s submit -- --engine slurm [--devices sm90,sm80]   # one job per device, then merge + gate
 
@@ -59,7 +60,7 @@ def _load_matrix() -> dict[str, Any]:
     except tomllib.TOMLDecodeError as exc:
         why = f"not valid TOML: {exc}"
     print(
-        f"nox: {path}: {why}; the pilot-, image-, lock- and tune- sessions are missing until it is fixed "
+        f"nox: {path}: {why}; the pilot-, image-, lock-, pin- and tune- sessions are missing until it is fixed "
         "(`tilepilot matrix check` validates it)",
         file=sys.stderr,
     )
@@ -168,6 +169,13 @@ for _dev in MATRIX["devices"]:
 
     _lock_session.__doc__ = f"Write containers/locks/{_dev}.lock: the pinned, hash-locked Python stack."
 
+    @nox.session(name=f"pin-{_dev}", **_session_args(_dev, NEEDS))
+    def _pin_session(session: nox.Session, device: str = _dev) -> None:
+        python = _interpreter(session, NEEDS, _pins(device))
+        _tilepilot(session, python, "image", "pin", "--device", device, *session.posargs)
+
+    _pin_session.__doc__ = f"Pin {_dev}'s base image by digest: its tag, resolved in its registry, into matrix.toml."
+
     @nox.session(name=f"tune-{_dev}", **_session_args(_dev, NEEDS_PILOT))
     def _tune_session(session: nox.Session, device: str = _dev) -> None:
         python = _interpreter(session, NEEDS_PILOT, _pins(device))
@@ -177,6 +185,12 @@ for _dev in MATRIX["devices"]:
     _tune_session.__doc__ = (
         f"Autotune {_dev}'s kernels after correctness; winners into kernels/configs/tuned/{_dev}.toml."
     )
+
+
+@nox.session(name="image-check", **_session_args(None, NEEDS))
+def image_check(session: nox.Session) -> None:
+    """Every pinned base still resolves and its tag has not moved since it was pinned (exit 1 otherwise)."""
+    _tilepilot(session, _interpreter(session, NEEDS, _pins(None)), "image", "check", *session.posargs)
 
 
 @nox.session(**_session_args(None, NEEDS))

@@ -978,3 +978,75 @@ def test_incomplete_or_inconsistent_block_evidence_fails(
     r, shapes = _block_gate(block_tree, tmp_path)
     assert r.returncode == 1 and shapes[PREFILL].startswith("FAIL"), shapes[PREFILL]
     fails(r, needle)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reproducible images: a base pinned by digest and a committed lock
+
+
+def _commit_matrix(require: bool, digest: str | None = None) -> matrix.Matrix:
+    """COMMIT's own matrix.toml, with [gate] require_pinned_images and, optionally, sm90's base pinned."""
+    from tilepilot import digests
+
+    text = subprocess.run(
+        ["git", "show", f"{COMMIT}:matrix.toml"], capture_output=True, text=True, cwd=ROOT, check=True
+    ).stdout
+    text = text.replace("[gate]\n", f"[gate]\nrequire_pinned_images = {str(require).lower()}\n", 1)
+    if digest is not None:
+        text = digests.set_base_digest(text, "sm90", digest, "matrix.toml")
+    return matrix.parse(text, "matrix.toml")
+
+
+def test_an_unpinned_image_is_a_warning_in_the_device_table(tree: Path, tmp_path: Path) -> None:
+    # COMMIT's matrix has no require_pinned_images (false): its unpinned, unlocked sm90 passes, marked.
+    r = gate(tree, tmp_path, TILEPILOT_LOCKS=str(tmp_path / "no-locks"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    md = (tmp_path / "gate" / "gate.md").read_text()
+    header = next(ln for ln in md.splitlines() if ln.startswith("| device"))
+    assert header.rstrip(" |").endswith("| image")
+    assert "NOT PINNED: base unpinned, no lock" in md
+    assert "sm90: image (warning): not reproducible (base unpinned, no lock)" in r.stdout
+
+
+def test_an_unpinned_image_fails_a_required_device_when_the_gate_asks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tilepilot import gate as gate_mod
+    from tilepilot import paths
+
+    monkeypatch.setenv("TILEPILOT_LOCKS", str(tmp_path))
+    monkeypatch.setattr(paths, "_used", None)  # an earlier in-process command may have fixed the paths
+
+    def judged(mx: matrix.Matrix) -> dict[str, Any]:
+        devices = [{"device": d, "status": "PASS", "required": d in mx.gate.required} for d in mx.devices]
+        gate_mod._images(mx, devices)
+        return {d["device"]: d for d in devices}
+
+    strict = judged(_commit_matrix(True))
+    assert strict["sm90"]["status"] == "FAIL" and strict["sm90"]["image"] == "NOT PINNED: base unpinned, no lock"
+    assert strict["sm90"]["image_problems"] == [
+        "image: not reproducible (base unpinned, no lock), [gate] require_pinned_images: "
+        "`tilepilot image pin --device sm90`, `tilepilot image lock --device sm90` (README, Images)"
+    ]
+    assert strict["sm80"]["status"] == "PASS"  # not required: a warning only
+    assert strict["sm80"]["image_problems"][0].startswith("image (warning)")
+
+    (tmp_path / "sm90.lock").write_text("tabulate==0.9.0 --hash=sha256:" + "0" * 64 + "\n")
+    locked = judged(_commit_matrix(True))  # locked, but the base still by tag
+    assert locked["sm90"]["status"] == "FAIL" and locked["sm90"]["image"] == "NOT PINNED: base unpinned"
+    pinned = judged(_commit_matrix(True, "sha256:" + "ab" * 32))
+    assert pinned["sm90"]["status"] == "PASS" and pinned["sm90"]["image"] == "pinned"
+    assert "image_problems" not in pinned["sm90"]
+
+
+def test_require_pinned_images_must_be_a_boolean(tmp_path: Path) -> None:
+    bad = (ROOT / "matrix.toml").read_text().replace("require_pinned_images = false", 'require_pinned_images = "yes"')
+    (tmp_path / "m.toml").write_text(bad)
+    r = subprocess.run(
+        [sys.executable, "-m", "tilepilot", "--matrix", str(tmp_path / "m.toml"), "matrix", "check"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+    assert r.returncode == 2 and "gate.require_pinned_images" in r.stderr and "Traceback" not in r.stderr

@@ -47,6 +47,9 @@ def test_sessions_listed() -> None:
         "tune-sm90",
         "image-sm90",
         "lock-sm90",
+        "pin-sm90",
+        "pin-gfx942",
+        "image-check",
     ):
         assert f"{name}" in r.stdout, r.stdout
     assert "nox:" not in r.stderr  # a valid matrix says nothing

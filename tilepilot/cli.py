@@ -114,16 +114,28 @@ def _parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--rebuild", action="store_true", help="container mode: build the image even if its tag exists")
     r.add_argument("--wheelhouse", type=Path, default=None, help="container mode: install wheels from DIR, offline")
-    i = sub.add_parser("image", help="the device's pinned image: lock, render, build")
+    i = sub.add_parser("image", help="the device's pinned image: lock, render, build; its base: pin, check")
     i.add_argument(
         "action",
-        choices=["lock", "render", "build", "tag"],
+        choices=["lock", "render", "build", "tag", "pin", "check"],
         help="lock: write containers/locks/<device>.lock; render: print the Dockerfile; build: build or "
-        "reuse the image; tag: print its tag",
+        "reuse the image; tag: print its tag; pin: resolve base_image's tag to its digest and write it "
+        "into matrix.toml's base_digest; check: each pinned base still resolves and its tag has not moved "
+        "(exit 1 when one has)",
     )
-    i.add_argument("--device", required=True, help="the matrix.toml device whose image it is")
+    i.add_argument(
+        "--device", default=None, help="the matrix.toml device whose image it is (check: default every device)"
+    )
     i.add_argument("--rebuild", action="store_true", help="build the image even if its tag exists")
     i.add_argument("--wheelhouse", type=Path, default=None, help="resolve (lock) or install (build) from DIR")
+    i.add_argument(
+        "--from",
+        dest="source",
+        choices=["auto", "pypi", "torch-index"],
+        default="auto",
+        help="lock: resolve from PyPI alone, or from the row's torch_index with PyPI (default auto: PyPI "
+        "where it has the row's torch build, CPU and CUDA; the torch index for ROCm)",
+    )
     sub.add_parser("publish", help="asv publish into html/")
     t = sub.add_parser("tune", help="autotune the representative cases whose pinned config passes correctness (GPU)")
     t.add_argument("--device", required=True, help="the matrix.toml device to tune for; its GPU must be here")
@@ -257,18 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                 allow_unpinned=args.allow_unpinned,
             )
         if args.cmd == "image":
-            from tilepilot import containers
-
-            mx.device(args.device)
-            if args.action == "lock":
-                print(f"tilepilot: wrote {containers.lock(mx, args.device, args.wheelhouse)}")
-            elif args.action == "render":
-                print(containers.render(mx, args.device, wheelhouse=args.wheelhouse is not None), end="")
-            elif args.action == "tag":
-                print(containers.image_tag(mx, args.device, containers.client(), args.wheelhouse is not None))
-            else:
-                print(containers.build(mx, args.device, rebuild=args.rebuild, wheelhouse=args.wheelhouse))
-            return 0
+            return _image(args, mx)
         if args.cmd == "publish":
             from tilepilot import history
 
@@ -350,6 +351,38 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 3
     return 2
+
+
+def _image(args: argparse.Namespace, mx: matrix.Matrix) -> int:
+    from tilepilot import containers, digests
+
+    if args.action == "check":
+        devices = [args.device] if args.device else list(mx.devices)
+        for d in devices:
+            mx.device(d)
+        # The engine only where there is a pin to check: an unpinned base is said without one.
+        pinned = any(mx.device(d).base_digest != digests.UNPINNED for d in devices)
+        results = digests.check(mx, devices, args.matrix, containers.client() if pinned else None)
+        for ok, line in results:
+            print(f"tilepilot: {line}", file=sys.stdout if ok else sys.stderr)
+        return 0 if all(ok for ok, _ in results) else 1
+    if args.device is None:
+        raise UserError(f"image {args.action}: --device is required (one of {', '.join(mx.devices)})")
+    mx.device(args.device)
+    if args.action == "lock":
+        print(f"tilepilot: wrote {containers.lock(mx, args.device, args.wheelhouse, args.source)}")
+    elif args.action == "pin":
+        old, new = digests.pin(mx, args.device, args.matrix, containers.client())
+        row = mx.device(args.device)
+        same = " (unchanged)" if old == new else f" (was {old})"
+        print(f"tilepilot: {args.matrix}: devices.{args.device}.base_digest = {new}{same}: {row.base_image}")
+    elif args.action == "render":
+        print(containers.render(mx, args.device, wheelhouse=args.wheelhouse is not None), end="")
+    elif args.action == "tag":
+        print(containers.image_tag(mx, args.device, containers.client(), args.wheelhouse is not None))
+    else:
+        print(containers.build(mx, args.device, rebuild=args.rebuild, wheelhouse=args.wheelhouse))
+    return 0
 
 
 def _internal_error_log() -> Path:

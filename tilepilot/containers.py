@@ -21,11 +21,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tilepilot import matrix, paths, quoting, record
+from tilepilot import digests, matrix, paths, quoting, record
 from tilepilot.errors import UserError
 
 ROOT = record.ROOT
@@ -48,55 +49,160 @@ def lock_path(device: str) -> Path:
     return paths.current().locks / f"{device}.lock"
 
 
-def lock(mx: matrix.Matrix, device: str, wheelhouse: Path | None = None) -> Path:
-    """Resolve the row's requirements for the image's Python and platform (pip download), and pin
-    every file by its sha256. With a wheelhouse, resolve offline from it."""
-    row = mx.device(device)
+# The wheels' platforms: manylinux up to the oldest glibc among the bases (Debian 12's 2.36; Ubuntu
+# 24.04 has 2.39). pip takes --platform literally, so each glibc level is listed.
+PLATFORMS = [f"manylinux_2_{v}_x86_64" for v in range(36, 16, -1)] + ["manylinux2014_x86_64"]
+SOURCES = ("auto", "pypi", "torch-index")
+
+
+def _pip_common(row: matrix.Device) -> list[str]:
+    return [
+        "--only-binary=:all:",
+        "--python-version",
+        row.python,
+        "--implementation",
+        "cp",
+        *[a for plat in PLATFORMS for a in ("--platform", plat)],
+    ]
+
+
+def _other_index(device: str, row: matrix.Device) -> str:
+    """Where a row that PyPI cannot serve gets its lock: the exact command, for a host that reaches its index."""
+    return (
+        f"run `tilepilot image lock --device {device} --from torch-index` (or `nox -s lock-{device} -- --from "
+        f"torch-index`) where {row.torch_index or 'its index'} is reachable, and commit containers/locks/{device}.lock"
+    )
+
+
+def source_of(row: matrix.Device, source: str) -> str:
+    """auto: PyPI alone where it has the row's torch build (CPU, and CUDA, whose PyPI wheels bring their
+    nvidia-* runtime wheels); ROCm builds of torch are only on the PyTorch index."""
+    if source == "auto":
+        return "torch-index" if row.vendor == "amd" else "pypi"
+    return source
+
+
+def _resolve(device: str, row: matrix.Device, index: list[str]) -> tuple[list[tuple[str, str, str]], dict[str, str]]:
+    """(name, version, sha256) of every wheel the row's requirements resolve to, and each one's URL,
+    from pip's dry-run report: the index's own sha256 of each file, nothing downloaded (a CUDA stack
+    is several GB)."""
     with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "report.json"
+        ca = next((os.environ[k] for k in ("PIP_CERT", "SSL_CERT_FILE") if os.environ.get(k)), None)
         cmd = [
             sys.executable,
             "-m",
             "pip",
-            "download",
-            "--dest",
-            tmp,
-            "--only-binary=:all:",
-            "--python-version",
-            row.python,
-            "--implementation",
-            "cp",
-            *[
-                a
-                for plat in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
-                for a in ("--platform", plat)
-            ],
+            "--isolated",  # no config file, no PIP_* variable: the index named here and nothing else
+            *(["--cert", ca] if ca else []),
+            *("--retries", "1", "--timeout", "20"),  # an unreachable index: minutes per page otherwise
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--target",  # pip wants one with --platform; a dry run writes nothing there
+            str(Path(tmp) / "target"),
+            "--quiet",
+            "--report",
+            str(report),
+            *_pip_common(row),
+            *index,
+            *requirements(row),
         ]
-        index: list[str] = []
-        if wheelhouse is not None:
-            cmd += ["--no-index", "--find-links", str(wheelhouse)]
-        elif row.torch_index:
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            errors = [
+                ln for ln in proc.stderr.splitlines() if ln.startswith("ERROR")
+            ] or proc.stderr.strip().splitlines()
+            raise UserError(
+                f"lock for {device}: pip could not resolve {' '.join(requirements(row))} from {index[1]}: "
+                f"{(errors or ['pip failed'])[0]}"
+            )
+        out, urls = [], {}
+        for item in json.loads(report.read_text(encoding="utf-8"))["install"]:
+            name = str(item["metadata"]["name"]).replace("_", "-").lower()
+            sha = item["download_info"].get("archive_info", {}).get("hashes", {}).get("sha256")
+            if not sha:
+                raise UserError(f"lock for {device}: {index[1]} gave no sha256 for {name}; use an index that does")
+            out.append((name, str(item["metadata"]["version"]), str(sha)))
+            urls[name] = str(item["download_info"].get("url", ""))
+    return sorted(out), urls
+
+
+def _cuda_of(pins: list[tuple[str, str, str]]) -> str | None:
+    """The CUDA release that a PyPI torch was built for: its nvidia-cuda-runtime wheel's major.minor."""
+    for name, version, _ in pins:
+        if name == "nvidia-cuda-runtime" or name.startswith("nvidia-cuda-runtime-cu"):
+            return ".".join(version.split(".")[:2])
+    return None
+
+
+def lock(mx: matrix.Matrix, device: str, wheelhouse: Path | None = None, source: str = "auto") -> Path:
+    """Resolve the row's requirements for the image's Python and platform, and pin every file by its
+    sha256: from PyPI alone where it serves the row, else from the row's torch index (`source`); with
+    a wheelhouse, offline from its files."""
+    row = mx.device(device)
+    index: list[str] = []
+    if wheelhouse is not None:
+        pins = _from_wheelhouse(device, row, wheelhouse)
+        where = f"the wheelhouse {wheelhouse}"
+    else:
+        source = source_of(row, source)
+        if source == "pypi":
+            if row.vendor == "amd":
+                raise UserError(
+                    f"lock for {device}: PyPI has no ROCm build of torch {row.torch}; the row needs "
+                    f"{row.torch_index}: {_other_index(device, row)}"
+                )
+            pins, _ = _resolve(device, row, ["--index-url", PYPI])
+            cuda = _cuda_of(pins)
+            if row.vendor == "nvidia" and cuda != row.toolkit_version:
+                raise UserError(
+                    f"lock for {device}: PyPI's torch {row.torch} is built for CUDA {cuda or 'none'}, the row "
+                    f"pins CUDA {row.toolkit_version}: {_other_index(device, row)}"
+                )
+            where = "PyPI alone" + (f"; torch {row.torch} there is built for CUDA {cuda}" if cuda else "")
+        else:
+            if not row.torch_index:
+                raise UserError(f"lock for {device}: --from torch-index, but the row has no torch_index")
             index = ["--index-url", row.torch_index, "--extra-index-url", PYPI]
-            cmd += index
+            try:
+                pins, urls = _resolve(device, row, index)
+            except UserError as exc:
+                raise UserError(f"{exc}; {_other_index(device, row)}") from None
+            # pip goes on without an index it cannot reach: torch from PyPI instead is the wrong build.
+            came_from = urllib.parse.urlsplit(urls.get("torch", "")).netloc or "nowhere"
+            if came_from != urllib.parse.urlsplit(row.torch_index).netloc:
+                raise UserError(
+                    f"lock for {device}: torch {row.torch} resolved from {came_from}, not from the row's "
+                    f"index {row.torch_index} (unreachable here?); {_other_index(device, row)}"
+                )
+            where = f"{row.torch_index} and PyPI"
+    lines = [
+        f"# tilepilot lock for {device}: {row.name}, Python {row.python}; written by `tilepilot image lock`",
+        f"# resolved from {where}; every file pinned by its sha256 (pip --require-hashes).",
+        *(f"{index[i]} {index[i + 1]}" for i in range(0, len(index), 2)),
+        *(f"{name}=={version} --hash=sha256:{sha}" for name, version, sha in pins),
+    ]
+    return record.write_text(lock_path(device), "\n".join(lines) + "\n")
+
+
+def _from_wheelhouse(device: str, row: matrix.Device, wheelhouse: Path) -> list[tuple[str, str, str]]:
+    """Offline: pip download from the wheelhouse alone, each wheel hashed as it lies there."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--dest", tmp, *_pip_common(row)]
+        cmd += ["--no-index", "--find-links", str(wheelhouse)]
         proc = subprocess.run([*cmd, *requirements(row)], capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or ["pip failed"])[-1]
             raise UserError(f"lock for {device}: pip could not resolve {' '.join(requirements(row))}: {last}")
-        lines = [
-            f"# tilepilot lock for {device}: {row.name}, Python {row.python}; written by `tilepilot image lock`.",
-            *(f"{index[i]} {index[i + 1]}" for i in range(0, len(index), 2)),
-        ]
+        out = []
         for f in sorted(Path(tmp).glob("*.whl")):
             m = _WHEEL.match(f.name)
             if m is None:
                 raise UserError(f"lock for {device}: cannot read name and version from {f.name}")
             digest = hashlib.sha256(f.read_bytes()).hexdigest()
-            lines.append(f"{m['name'].replace('_', '-').lower()}=={m['version']} --hash=sha256:{digest}")
-    path = lock_path(device)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = path.with_suffix(".lock.tmp")
-    tmp_path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    os.replace(tmp_path, path)
-    return path
+            out.append((m["name"].replace("_", "-").lower(), m["version"], digest))
+    return out
 
 
 def _read_lock(device: str) -> str:
@@ -138,7 +244,7 @@ def render(
         lock_text = lock_path(device).read_text(encoding="utf-8") if lock_path(device).exists() else ""
     text = lock_text
     pip_env, ca = _pip_settings()
-    base = base_ref or (row.base_image if row.base_digest == "unpinned" else f"{row.base_image}@{row.base_digest}")
+    base = base_ref or digests.pinned_ref(row)
     pins = {k: getattr(row, k) for k in ("python", "torch", "tilelang", "toolkit", "toolkit_version")}
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATES),

@@ -1077,6 +1077,24 @@ def check_device(g: Gate, device: str) -> dict[str, Any]:
     return verdict
 
 
+def _images(mx: matrix.Matrix, devices: list[dict[str, Any]]) -> None:
+    """Each device's image, reproducible (base pinned by digest, lock committed) or not: a warning, and
+    a failure of a required device where [gate] require_pinned_images asks for pinned images."""
+    from tilepilot import digests
+
+    for d in devices:
+        why = digests.not_reproducible(mx.device(d["device"]), d["device"])
+        d["image"] = "pinned" if not why else "NOT PINNED: " + ", ".join(why)
+        if not why:
+            continue
+        fix = f"`tilepilot image pin --device {d['device']}`, `tilepilot image lock --device {d['device']}` (README, Images)"
+        if mx.gate.require_pinned_images and d["required"]:
+            d["status"] = FAIL
+            d["image_problems"] = [f"image: not reproducible ({', '.join(why)}), [gate] require_pinned_images: {fix}"]
+        else:
+            d["image_problems"] = [f"image (warning): not reproducible ({', '.join(why)}): {fix}"]
+
+
 def _pick_asv(cur: list[AsvResult], j: Judged) -> AsvResult | None:
     """The asv result that holds this run's kernel samples."""
     sides: list[tuple[str, evidence.Side]] = []
@@ -1113,10 +1131,11 @@ def _report(commit: str, ok: bool, devices: list[dict[str, Any]], ops: list[str]
             *(d["operators"][op]["status"] for op in ops),
             d.get("model", {}).get("status", d["status"]),
             str(d.get("fallback", {}).get("summary", "no")),
+            d.get("image", "-"),
         ]
         for d in devices
     ]
-    headers = ["device", "required", "machine", "evidence", *ops, "model", "fallback tested"]
+    headers = ["device", "required", "machine", "evidence", *ops, "model", "fallback tested", "image"]
     lines = [
         f"# Release gate: {'PASS' if ok else 'FAIL'}",
         "",
@@ -1163,7 +1182,11 @@ def _report(commit: str, ok: bool, devices: list[dict[str, Any]], ops: list[str]
                 tabulate(sorted(d["model"]["shapes"].items()), headers=["block", "verdict"], tablefmt="github"),
                 "",
             ]
-        for p in d.get("model", {}).get("problems", []) + d.get("fallback", {}).get("problems", []):
+        for p in (
+            d.get("model", {}).get("problems", [])
+            + d.get("fallback", {}).get("problems", [])
+            + d.get("image_problems", [])
+        ):
             lines.append(f"- {d['device']}: {p}")
         lines.append("")
     return lines
@@ -1219,6 +1242,7 @@ def gate(
     )
     # The whole device matrix is shown; only the required devices decide.
     devices = [_relative({**check_device(g, d), "required": d in mx.gate.required}) for d in mx.devices]
+    _images(mx, devices)
     ok = all(d["status"] == PASS for d in devices if d["required"])
     ops: list[str] = list(mx.operators)
     lines = _report(commit, ok, devices, ops)
@@ -1240,6 +1264,7 @@ def gate(
             v = d["operators"][op]
             shown += [p for p in v.get("problems", []) or ([v["why"]] if "why" in v else []) if p not in shown]
         shown += d.get("model", {}).get("problems", []) + d.get("fallback", {}).get("problems", [])
+        shown += d.get("image_problems", [])
         for p in shown[:12]:
             print(f"  {d['device']}: {p}")
         if len(shown) > 12:

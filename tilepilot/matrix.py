@@ -237,6 +237,9 @@ class Gate(_Strict):
     regression_factor: Annotated[float, Field(gt=1.0)]
     # Off the representative shapes a shipped kernel may trail the framework op by at most this.
     max_shipped_slowdown: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.02
+    # A required device whose base is unpinned (base_digest) or whose lock is missing: a warning in
+    # the device table, or a failure when this is true.
+    require_pinned_images: bool = False
 
 
 class Matrix(_Strict):
