@@ -237,6 +237,12 @@ class Gate(_Strict):
     regression_factor: Annotated[float, Field(gt=1.0)]
     # Off the representative shapes a shipped kernel may trail the framework op by at most this.
     max_shipped_slowdown: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.02
+    # The release baseline: the newest git tag matching this glob that is an ancestor of the commit.
+    release_tag: Annotated[str, Field(min_length=1, pattern=r"^[^\s-][^\s]*$")] = "v*"
+    # The window baseline: the fastest of the last `window` measured commits (slow creep adds up).
+    window: Annotated[int, Field(ge=1, le=100)] = 8
+    # A regression must exceed this multiple of the case's A/A band (and regression_factor).
+    aa_margin: Annotated[float, Field(ge=1.0, le=10.0)] = 1.5
 
 
 class Matrix(_Strict):
