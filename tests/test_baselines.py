@@ -203,7 +203,7 @@ def test_the_gate_at_the_measured_head_shows_three_baselines(
     assert kinds == set(B.KINDS)
     assert "- previous: ad6ed7df" in md
     assert "- release: missing: no tag matching 'v*' is an ancestor of c115568777bb" in md
-    assert "- window: best of " in md
+    assert "- window: the fastest of the last 8 measured commits, per case (at " in md
     assert "judged apart" in md
     # The decode kernel's slower 128k cases: a warning that names the code change, not a failure.
     assert "sm90 decode (warning): decode/llama8b-b8-c128k/bfloat16/bottom-right: AMBIGUOUS" in md

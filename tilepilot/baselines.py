@@ -515,6 +515,19 @@ def effects(result: dict[str, Any]) -> dict[str, tuple[list[str], list[str]]]:
     return out
 
 
+def window_what(result: dict[str, Any]) -> str:
+    """The window baseline in one phrase: its size and the commits whose runs were fastest."""
+    best = sorted(
+        {
+            b["commit"][:8]
+            for r in result.get("cases", {}).values()
+            for k, b in r["baselines"].items()
+            if k == "window" and b["commit"]
+        }
+    )
+    return f"the fastest of the last {result.get('window')} measured commits, per case (at {', '.join(best) or 'none'})"
+
+
 def report_lines(device: str, result: dict[str, Any]) -> list[str]:
     """gate.md's comparison section of one device: the baselines used (or why missing), the verdicts
     per baseline and kind (shipped kernel, kept kernel, reference), the flagged cases."""
@@ -536,6 +549,8 @@ def report_lines(device: str, result: dict[str, Any]) -> list[str]:
         what = "; ".join(used[:3]) + (f" (+{len(used) - 3} more)" if len(used) > 3 else "")
         if kind == "release" and rel.get("commit") is None:
             what = f"missing: {rel.get('name', 'no release tag')}"
+        elif kind == "window":
+            what = window_what(result)
         lines.append(f"- {kind}: {what or 'none'}: {shown}")
     refs: dict[str, int] = {}
     for r in rows.values():

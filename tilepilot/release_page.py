@@ -276,6 +276,8 @@ def _device_section(
         used = sorted({b["what"] for r in rows.values() for k, b in r["baselines"].items() if k == kind})
         if kind == "release" and rel.get("commit") is None:
             used = [f"missing: {rel.get('name', 'no release tag')}"]
+        elif kind == "window":
+            used = [baselines.window_what(cmp)]
         out.append(f"<li><b>{kind}</b>: {_e('; '.join(used[:4]) or 'none')}</li>")
     out.append(f"<li>thresholds calibrated on {_e(cmp.get('aa_pairs', 0))} committed A/A pairs</li></ul>")
     out.append("<h3>History</h3>")
