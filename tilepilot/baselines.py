@@ -117,8 +117,8 @@ def _read(path: Path, root: Path) -> Any:
     parser (the judged run itself is read strictly by the gate), NaN and Infinity refused."""
     try:
         return json.loads(evidence.read_bytes(path, root), parse_constant=_reject)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise EvidenceError(path, f"not valid JSON ({exc})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # RecursionError: absurd nesting
+        raise EvidenceError(path, f"not valid JSON ({type(exc).__name__}: {exc})"[:300]) from None
 
 
 # Loaded runs by folder and the (name, mtime, size) of their files: the gate reads a history once per process.
@@ -127,7 +127,8 @@ _CACHE: dict[tuple[str, tuple[tuple[str, int, int], ...]], RunCases] = {}
 
 def load_run(rdir: Path, root: Path) -> RunCases:
     """A finished run's measured cases and build hashes (EvidenceError naming the file otherwise)."""
-    key = (str(rdir), tuple((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in sorted(rdir.glob("*.json"))))
+    # lstat: a symlink or a dangling name is keyed as it is; reading it is refused by evidence.read_bytes.
+    key = (str(rdir), tuple((p.name, p.lstat().st_mtime_ns, p.lstat().st_size) for p in sorted(rdir.glob("*.json"))))
     if key not in _CACHE:
         _CACHE[key] = _load_run(rdir, root)
     return _CACHE[key]
@@ -195,14 +196,19 @@ class History:
         mdir = root / "records" / machine
         if not mdir.is_dir():
             return h
-        for cdir in evidence.subdirs(mdir, root):
-            for rdir in evidence.subdirs(cdir, root):
-                if not evidence.RUN_ID.match(rdir.name) or not _usable(rdir, root):
-                    continue
-                try:
-                    h.runs.setdefault(cdir.name, []).append(load_run(rdir, root))
-                except EvidenceError as exc:
-                    h.problems.append(f"baselines: {exc}")
+        try:
+            for cdir in evidence.subdirs(mdir, root):
+                for rdir in evidence.subdirs(cdir, root):
+                    if not evidence.RUN_ID.match(rdir.name) or not _usable(rdir, root):
+                        continue
+                    try:
+                        h.runs.setdefault(cdir.name, []).append(load_run(rdir, root))
+                    except EvidenceError as exc:
+                        h.problems.append(f"baselines: {exc}")
+                    except OSError as exc:
+                        h.problems.append(f"baselines: {rdir}: unreadable ({exc.strerror})")
+        except EvidenceError as exc:  # a symlinked or odd folder: named; the history it hides is not used
+            h.problems.append(f"baselines: {exc}")
         for rs in h.runs.values():
             rs.sort(key=lambda r: r.run)
         return h
@@ -466,8 +472,8 @@ def judge_run(
     h = History.load(root, machine)
     try:
         cur = load_run(rdir, root)
-    except EvidenceError as exc:
-        return {"cases": {}, "problems": [f"baselines: {exc}"], "release": None, "aa_pairs": 0}
+    except (EvidenceError, OSError) as exc:  # the gate names the record too; here: no comparison made
+        return {"cases": {}, "problems": [f"baselines: {exc}"], "release": None, "aa_pairs": 0, "window": window}
     noise = calibrate(h.pairs())
     release = release_commit(release_tag, commit, repo)
     rows = {
