@@ -34,7 +34,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from tilepilot import blockspec, cases, envinfo, evidence, matrix, paths, record
+from tilepilot import baselines, blockspec, cases, envinfo, evidence, matrix, paths, record, release_page
 from tilepilot.errors import UserError
 from tilepilot.evidence import EvidenceError
 
@@ -1068,6 +1068,8 @@ def check_device(g: Gate, device: str) -> dict[str, Any]:
         verdict["operators"][op] = _operator(g, op, j, run, asv_cur, am)
     verdict["model"] = _model(g, j, asv_cur)
     verdict["fallback"] = _fallback(g, j)
+    verdict["comparisons"] = _comparisons(g, run, verdict["operators"])
+    j.problems += verdict["comparisons"]["problems"]  # a history record the baselines could not read
     if am is not None:
         j.problems += am.problems  # the asv files read, the baselines' included
         verdict["baselines"] = sorted({r.commit for rs in am._loaded.values() for r in rs} - {g.commit})
@@ -1093,6 +1095,32 @@ def _images(mx: matrix.Matrix, devices: list[dict[str, Any]]) -> None:
             d["image_problems"] = [f"image: not reproducible ({', '.join(why)}), [gate] require_pinned_images: {fix}"]
         else:
             d["image_problems"] = [f"image (warning): not reproducible ({', '.join(why)}): {fix}"]
+
+
+def _comparisons(g: Gate, run: Run, ops: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The release manager's three baselines (tilepilot.baselines): a shipped case that REGRESSED
+    fails its operator, one AMBIGUOUS is a warning; each missing baseline is said in the result."""
+    gc = g.mx.gate
+    result = baselines.judge_run(
+        g.root,
+        run.machine,
+        run.dir,
+        g.ancestors,
+        ROOT,
+        g.commit,
+        factor=gc.regression_factor,
+        margin=gc.aa_margin,
+        window=gc.window,
+        release_tag=gc.release_tag,
+    )
+    for op, (problems, warnings) in baselines.effects(result).items():
+        if op not in ops:
+            continue
+        ops[op]["problems"] = ops[op].get("problems", []) + problems
+        ops[op]["warnings"] = ops[op].get("warnings", []) + warnings
+        if problems:
+            ops[op]["status"] = FAIL
+    return result
 
 
 def _pick_asv(cur: list[AsvResult], j: Judged) -> AsvResult | None:
@@ -1157,6 +1185,7 @@ def _report(commit: str, ok: bool, devices: list[dict[str, Any]], ops: list[str]
                 + "; regression baselines "
                 + (", ".join(f"`{b}`" for b in base) if base else "none (no earlier measured commit)"),
                 "",
+                *baselines.report_lines(d["device"], d.get("comparisons", {})),
             ]
         for p in d.get("run_problems", []):
             lines.append(f"- {d['device']}: {p}")
@@ -1174,6 +1203,7 @@ def _report(commit: str, ok: bool, devices: list[dict[str, Any]], ops: list[str]
                 if p not in d.get("run_problems", []):
                     lines.append(f"- {d['device']} {op}: {p}")
             lines += [f"- {d['device']} {op} (note): {n}" for n in v.get("notes", [])]
+            lines += [f"- {d['device']} {op} (warning): {w}" for w in v.get("warnings", [])]
         if d.get("model", {}).get("shapes"):
             lines += [
                 "",
@@ -1204,7 +1234,11 @@ def _relative(obj: Any) -> Any:
 
 
 def gate(
-    rev: str = "HEAD", matrix_path: Path | None = None, out_dir: Path | None = None, results: Path | None = None
+    rev: str = "HEAD",
+    matrix_path: Path | None = None,
+    out_dir: Path | None = None,
+    results: Path | None = None,
+    page_dir: Path | None = None,
 ) -> int:
     from tilepilot import inject
 
@@ -1257,6 +1291,14 @@ def gate(
         raise UserError(
             f"--out {out_dir}: cannot write the verdict there ({exc.strerror}); name a writable folder"
         ) from None
+    # The release manager's page (html/release/index.html unless named): the same verdict, drawn.
+    page_dir = page_dir or paths.current().html / "release"
+    try:
+        page = release_page.write(page_dir, {"commit": commit, "pass": ok, "devices": devices}, mx, root, g.ancestors)
+    except OSError as exc:
+        raise UserError(
+            f"{page_dir}: cannot write the release page there ({exc.strerror}); set TILEPILOT_HTML"
+        ) from None
     print("\n".join(lines[:6]))
     for d in devices:
         shown = list(d.get("run_problems", []))
@@ -1269,5 +1311,5 @@ def gate(
             print(f"  {d['device']}: {p}")
         if len(shown) > 12:
             print(f"  {d['device']}: ... {len(shown) - 12} more in {out_dir / 'gate.md'}")
-    print(f"tilepilot: gate {'PASS' if ok else 'FAIL'}; wrote {out_dir / 'gate.md'} and gate.json")
+    print(f"tilepilot: gate {'PASS' if ok else 'FAIL'}; wrote {out_dir / 'gate.md'} and gate.json; page {page}")
     return 0 if ok else 1

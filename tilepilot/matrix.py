@@ -240,6 +240,12 @@ class Gate(_Strict):
     # A required device whose base is unpinned (base_digest) or whose lock is missing: a warning in
     # the device table, or a failure when this is true.
     require_pinned_images: bool = False
+    # The release baseline: the newest git tag matching this glob that is an ancestor of the commit.
+    release_tag: Annotated[str, Field(min_length=1, pattern=r"^[^\s-][^\s]*$")] = "v*"
+    # The window baseline: the fastest of the last `window` measured commits (slow creep adds up).
+    window: Annotated[int, Field(ge=1, le=100)] = 8
+    # A regression must exceed this multiple of the case's A/A band (and regression_factor).
+    aa_margin: Annotated[float, Field(ge=1.0, le=10.0)] = 1.5
 
 
 class Matrix(_Strict):
