@@ -96,24 +96,30 @@ def _reader(benchmark: str) -> tuple[Reader, str]:
 
 
 @functools.cache
-def _runs(commit: str, op: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """Each run's record of one operator (or the model) at one commit: its cases and compile times."""
+def _runs(commit: str, op: str) -> list[tuple[dict[str, Any], dict[str, Any], Any]]:
+    """Each run's record of one operator (or the model) at one commit: its cases, compile times and
+    overhead entry."""
     out = []
     for run in sorted((RESULTS / "records" / MACHINE / commit).iterdir()):
         f = run / ("model.json" if op == "model" else f"measure-{op}.json")
         if f.exists():
             data = json.loads(f.read_text(encoding="utf-8"))
-            out.append((data["cases"], data.get("compile", {})))
+            out.append((data["cases"], data.get("compile", {}), data.get("overhead")))
     return out
 
 
 def record_values(commit: str, benchmark: str, case: str) -> list[float]:
     """The benchmark's value of one case at one commit as the run records hold it, one per run (a
-    merge keeps both runs of a commit)."""
+    merge keeps both runs of a commit). The overhead suite's parameter is an operator: its value is
+    the operator record's "overhead" entry."""
     read, _ = _reader(benchmark)
     values = []
-    for cases, compile_times in _runs(commit, case.split("/")[0]):
-        if case in cases:
+    for cases, compile_times, overhead in _runs(commit, case.split("/")[0]):
+        if benchmark.startswith("bench_overhead."):
+            value = read(overhead, {}) if isinstance(overhead, dict) and "skipped" not in overhead else None
+            if value is not None:
+                values.append(float(value))
+        elif case in cases:
             value = read(cases[case], compile_times.get(case, {}))
             if value is not None:
                 values.append(float(value))
