@@ -243,7 +243,8 @@ def test_the_regressions_page_lists_no_improvement(published: Path, tmp_path: Pa
     listed = regressions(published)
     assert listed, "the committed history has real regressions (attention's relative times): none listed"
     for r in listed:
-        assert r["after"] > r["before"], r
+        # asv's "after" is the best level anywhere after the jump (step_detect.detect_regressions), which
+        # a short later dip can put below "before": the step itself is judged on the two commits' records.
         bench, case = r["benchmark"], r["case"]
         _, way = _reader(bench)
         natural = []
