@@ -285,7 +285,8 @@ def _device_section(
     for op in ops:
         out.append(histogram(f"{d['device']} {op}: per-case speedup", _speedups(root, d, op)))
     out.append("<h3>Model block per phase</h3><table class='model'><tr><th>block</th><th>verdict</th></tr>")
-    for key, line in sorted((d.get("model") or {}).get("shapes", {}).items(), key=lambda t: ("decode" in t[0], t[0])):
+    # Ids sort prefill ("llama-block-") before decode ("llama-decode-"), the phases' order.
+    for key, line in sorted((d.get("model") or {}).get("shapes", {}).items()):
         cls = "FAIL" if str(line).startswith("FAIL") else "PASS"
         out.append(f'<tr><td><code>{_e(key)}</code></td><td class="{cls}">{_e(line)}</td></tr>')
     out.append(

@@ -1,0 +1,139 @@
+"""Small-M GEMM schedules on the H200: Llama-3-8B's four projections at decode-sized M, each config of a
+sweep against torch.matmul, timed as the pilot times (L2 flushed, alternating batches), and as
+bandwidth against the run's measured copy ceiling. For choosing sm90's small-M rules before a pilot.
+
+    PYTHONPATH=$PWD:<site> python3 scripts/h200-smallm-probe.py OUT.json [--m 1,16,64] [--workers 16]
+
+Every config is compiled in a worker pool first (TileLang's disk cache then serves the main process),
+and checked against a float64 product (output poisoned first) before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PROJ = {"qkv": (6144, 4096), "o": (4096, 4096), "gateup": (28672, 4096), "down": (4096, 14336)}
+TARGET = {"kind": "cuda", "arch": "sm_90a"}
+
+
+def configs() -> list[dict[str, int]]:
+    out = []
+    for bn, bk, st in itertools.product((16, 32, 64), (128, 256), (3, 4, 6)):
+        if (64 * bk + bn * bk) * 2 * st > 200 * 1024:  # shared memory per block, with margin
+            continue
+        out.append({"block_M": 64, "block_N": bn, "block_K": bk, "num_stages": st, "threads": 128})
+    return out
+
+
+def _compile(job: tuple[int, int, int, str, dict[str, int]]) -> str:
+    import importlib
+
+    import tilelang
+
+    m, n, k, layout, cfg = job
+    try:
+        tilelang.compile(
+            importlib.import_module("kernels.gemm").program(m, n, k, layout, "bfloat16", cfg), target=TARGET
+        )
+        return ""
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--m", default="1,16,64")
+    ap.add_argument("--layouts", default="nt")
+    ap.add_argument("--workers", type=int, default=16)
+    args = ap.parse_args()
+    os.environ["TILELANG_CACHE_DIR"] = "/tmp/smallm-cache"
+    shapes = [
+        (m, n, k, lay, name)
+        for name, (n, k) in PROJ.items()
+        for m in map(int, args.m.split(","))
+        for lay in args.layouts.split(",")
+    ]
+    jobs = [(m, n, k, lay, cfg) for m, n, k, lay, _ in shapes for cfg in configs()]
+    t0 = time.perf_counter()
+    import multiprocessing as mp
+
+    with ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn")) as pool:
+        errors = list(pool.map(_compile, jobs))
+    print(f"compiled {len(jobs)} ({sum(not e for e in errors)} ok) in {time.perf_counter() - t0:.0f}s", flush=True)
+    failed = {i for i, e in enumerate(errors) if e}
+
+    import tilelang
+    import torch
+
+    from kernels import gemm
+    from tilepilot import timing
+
+    flush, clocks = timing.L2Flush(), timing.Clocks()
+    ceil = timing.ceilings(flush, clocks)
+    report: dict[str, Any] = {"ceilings": ceil, "shapes": {}}
+    print(f"ceilings {ceil}", flush=True)
+    j = 0
+    for m, n, k, lay, name in shapes:
+        g = torch.Generator(device="cuda").manual_seed(m * 7 + n)
+        a = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+        b = (torch.randn((n, k) if lay == "nt" else (k, n), generator=g, device="cuda") * k**-0.5).bfloat16()
+        exact = a.double() @ (b.double().t() if lay == "nt" else b.double())
+        nbytes = 2.0 * (m * k + n * k + m * n)
+        ref = functools.partial(torch.matmul, a, b.t() if lay == "nt" else b)
+        r = timing.sample(ref, flush, clocks)
+        row: dict[str, Any] = {"torch_us": r["median_ms"] * 1e3, "configs": []}
+        row["torch_pct_copy"] = 100 * nbytes / (r["median_ms"] * 1e-3) / 1e12 / ceil["copy_tbps"]
+        best = None
+        for cfg in configs():
+            entry: dict[str, Any] = {"cfg": cfg}
+            if j in failed:
+                entry["error"] = errors[j]
+            else:
+                try:
+                    kern = tilelang.compile(gemm.program(m, n, k, lay, "bfloat16", cfg), target=TARGET)
+                    c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                    kern(a, b, c)
+                    torch.cuda.synchronize()
+                    err = float((c.double() - exact).norm() / exact.norm())
+                    entry["rel_fro"] = err
+                    if not err < 8e-3:
+                        entry["error"] = f"wrong: rel_fro {err}"
+                    else:
+                        s = timing.sample_many({"k": functools.partial(kern, a, b, c), "r": ref}, flush, clocks)
+                        entry["us"] = s["k"]["median_ms"] * 1e3
+                        entry["torch_us"] = s["r"]["median_ms"] * 1e3
+                        entry["speedup"] = s["r"]["median_ms"] / s["k"]["median_ms"]
+                        entry["pct_copy"] = 100 * nbytes / (s["k"]["median_ms"] * 1e-3) / 1e12 / ceil["copy_tbps"]
+                        if best is None or entry["us"] < best["us"]:
+                            best = entry
+                except Exception as exc:
+                    entry["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            row["configs"].append(entry)
+            j += 1
+        row["best"] = best
+        report["shapes"][f"{name}-m{m}/{lay}"] = row
+        b_ = best or {}
+        print(
+            f"{name:6s} m{m:<3d} {lay} torch {row['torch_us']:7.2f} us ({row['torch_pct_copy']:4.1f}%)  best "
+            f"{b_.get('us', 0):7.2f} us ({b_.get('pct_copy', 0):4.1f}%) x{b_.get('speedup', 0):.2f} {b_.get('cfg')}",
+            flush=True,
+        )
+        torch.cuda.empty_cache()
+    args.out.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
