@@ -68,7 +68,7 @@ def test_bad_numbers_are_one_line(argv: list[str], flag: str, capsys: pytest.Cap
         (["pilot", "--device", "sm90", "--cases", "nope"], "matches no case"),  # container mode: before the image
         (
             ["tune", "--device", "sm90", "--cases", "gemm/tiny-16/*"],
-            "matches no representative gemm/attention/decode case",
+            "matches no representative gemm/attention/decode/swiglu case",
         ),
     ],
 )

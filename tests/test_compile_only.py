@@ -34,7 +34,12 @@ GROUPS = dict(sorted(GROUPS.items(), key=lambda g: (g[1][0].op != "attention", g
 # The case that is also built through tilelang.compile, once per device and operator (dtype and
 # layout | mask take the same path): a small one, and for gemm the one test_tune builds as well
 # (the run's cache then serves it once).
-WHOLE_WAY = {"gemm/odd-k77/float16/nt", "attention/tiny-16/float16/none", "decode/len1-d64/float16/bottom-right"}
+WHOLE_WAY = {
+    "gemm/odd-k77/float16/nt",
+    "attention/tiny-16/float16/none",
+    "decode/len1-d64/float16/bottom-right",
+    "swiglu/odd-3x1000x777/float16/stacked",
+}
 KERNEL_NAME = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(")
 
 

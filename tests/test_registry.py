@@ -87,7 +87,7 @@ def test_the_name_check_can_fail(tmp_path: Path) -> None:
 def test_registry_and_matrix_agree() -> None:
     mx = matrix.load()
     registry.check(mx)
-    assert OPS == sorted(mx.operators) == ["attention", "decode", "gemm"]
+    assert OPS == sorted(mx.operators) == ["attention", "decode", "gemm", "swiglu"]
     for name in OPS:
         op = registry.get(name)
         assert op.name == name and type(op).__module__ == f"kernels.{name}.harness"
