@@ -52,6 +52,21 @@ def positive_float(text: str) -> float:
     return value
 
 
+def stack_item(text: str) -> tuple[str, str]:
+    """An argparse type: KEY=VERSION for --stack, KEY one of tilelang, torch."""
+    key, _, version = text.partition("=")
+    if key not in ("tilelang", "torch") or not version.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not tilelang=VERSION or torch=VERSION")
+    return key, version.strip()
+
+
+STACK_HELP = (
+    "an A/B side: KEY=VERSION (tilelang=0.1.14, torch=2.12.0; repeatable) over the device's pins. Container "
+    "mode builds the side's own image (its lock containers/locks/<device>__<side>.lock, its content hash); "
+    "host mode checks that this environment holds it. The run is filed under its own machine name"
+)
+
+
 def _parser() -> argparse.ArgumentParser:
     from tilepilot import merge  # its docstring is `merge --help`: the rules, the messages, the exit status
 
@@ -112,6 +127,7 @@ def _parser() -> argparse.ArgumentParser:
         help="run on a stack that differs from the device's pins; the records list the differences "
         "(`unpinned`) and the gate fails the run (otherwise exit 2)",
     )
+    r.add_argument("--stack", type=stack_item, action="append", default=[], metavar="KEY=VERSION", help=STACK_HELP)
     r.add_argument("--rebuild", action="store_true", help="container mode: build the image even if its tag exists")
     r.add_argument("--wheelhouse", type=Path, default=None, help="container mode: install wheels from DIR, offline")
     i = sub.add_parser("image", help="the device's pinned image: lock, render, build; its base: pin, check")
@@ -127,6 +143,7 @@ def _parser() -> argparse.ArgumentParser:
         "--device", default=None, help="the matrix.toml device whose image it is (check: default every device)"
     )
     i.add_argument("--rebuild", action="store_true", help="build the image even if its tag exists")
+    i.add_argument("--stack", type=stack_item, action="append", default=[], metavar="KEY=VERSION", help=STACK_HELP)
     i.add_argument("--wheelhouse", type=Path, default=None, help="resolve (lock) or install (build) from DIR")
     i.add_argument(
         "--from",
@@ -267,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                 wheelhouse=args.wheelhouse,
                 compile_only=args.compile_only,
                 allow_unpinned=args.allow_unpinned,
+                over=dict(args.stack) or None,
             )
         if args.cmd == "image":
             return _image(args, mx)
@@ -369,19 +387,22 @@ def _image(args: argparse.Namespace, mx: matrix.Matrix) -> int:
     if args.device is None:
         raise UserError(f"image {args.action}: --device is required (one of {', '.join(mx.devices)})")
     mx.device(args.device)
+    over = dict(args.stack) or None
+    if over and args.action == "pin":
+        raise UserError("image pin --stack: the base image is the device's, whatever the side; pin it without --stack")
     if args.action == "lock":
-        print(f"tilepilot: wrote {containers.lock(mx, args.device, args.wheelhouse, args.source)}")
+        print(f"tilepilot: wrote {containers.lock(mx, args.device, args.wheelhouse, args.source, over)}")
     elif args.action == "pin":
         old, new = digests.pin(mx, args.device, args.matrix, containers.client())
         row = mx.device(args.device)
         same = " (unchanged)" if old == new else f" (was {old})"
         print(f"tilepilot: {args.matrix}: devices.{args.device}.base_digest = {new}{same}: {row.base_image}")
     elif args.action == "render":
-        print(containers.render(mx, args.device, wheelhouse=args.wheelhouse is not None), end="")
+        print(containers.render(mx, args.device, wheelhouse=args.wheelhouse is not None, over=over), end="")
     elif args.action == "tag":
-        print(containers.image_tag(mx, args.device, containers.client(), args.wheelhouse is not None))
+        print(containers.image_tag(mx, args.device, containers.client(), args.wheelhouse is not None, over))
     else:
-        print(containers.build(mx, args.device, rebuild=args.rebuild, wheelhouse=args.wheelhouse))
+        print(containers.build(mx, args.device, rebuild=args.rebuild, wheelhouse=args.wheelhouse, over=over))
     return 0
 
 
