@@ -1,5 +1,5 @@
 """The `tilepilot` command: matrix check, env, cases, pilot, image, publish, gate; submit, status,
-collect and merge for a cluster; ci render for GitHub Actions.
+collect and merge for a cluster; ci render for GitHub Actions; ab and pin-stack for a new stack.
 
 Every command validates matrix.toml first; a UserError becomes one line and exit status 2.
 """
@@ -232,6 +232,33 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="the results tree to judge (default: $TILEPILOT_RESULTS, else results/)",
     )
+    ab = sub.add_parser(
+        "ab",
+        help="A/B of two stacks at one code commit: SAFE TO UPGRADE or BLOCKED (exit 1)",
+        description="Compare the two sides (runs filed under each stack, tilepilot.stack) of one code commit "
+        "and device, case by case; write <out>/<device>-<base>-vs-<new>.md and .json. Exit status: 0 SAFE TO "
+        "UPGRADE, 1 BLOCKED, 2 bad input.",
+    )
+    ab.add_argument("--device", required=True, help="the matrix.toml device whose sides are compared")
+    ab.add_argument("--tilelang", default=None, metavar="BASE,NEW", help="the two TileLang versions, base first")
+    ab.add_argument("--torch", default=None, metavar="BASE,NEW", help="the two torch versions, base first")
+    ab.add_argument("--commit", default="HEAD", help="the revision whose code commit both sides ran (default HEAD)")
+    ab.add_argument("--machine", default=None, help="the plain machine name, where several hold both sides")
+    ab.add_argument(
+        "--results", type=Path, default=None, help="the results tree (default: $TILEPILOT_RESULTS, else results/)"
+    )
+    ab.add_argument("--out", type=Path, default=None, help="where the report goes (default: gate/ab/)")
+    ps = sub.add_parser(
+        "pin-stack",
+        help="move a device's TileLang/torch pin in matrix.toml, only where an A/B report says SAFE TO UPGRADE",
+    )
+    ps.add_argument("device", nargs="?", default=None, help="the matrix.toml device whose pin moves")
+    ps.add_argument("--device", dest="device_flag", default=None, help=argparse.SUPPRESS)  # as other commands say it
+    ps.add_argument("--tilelang", default=None, help="the new TileLang pin")
+    ps.add_argument("--torch", default=None, help="the new torch pin")
+    ps.add_argument(
+        "--from-ab", "--from", dest="report", type=Path, required=True, help="the `tilepilot ab` report (.json)"
+    )
     return p
 
 
@@ -350,6 +377,31 @@ def main(argv: list[str] | None = None) -> int:
             from tilepilot import ci
 
             print(f"tilepilot: wrote {', '.join(map(str, ci.write(mx, args.out or ci.GITHUB)))}")
+            return 0
+        if args.cmd == "ab":
+            from tilepilot import ab
+
+            mx.device(args.device)
+            return ab.run(
+                args.device,
+                args.tilelang,
+                args.torch,
+                rev=args.commit,
+                machine=args.machine,
+                results=args.results,
+                out_dir=args.out,
+                matrix_path=args.matrix if named_matrix else None,  # else the commit's own, as the gate
+            )
+        if args.cmd == "pin-stack":
+            from tilepilot import ab
+
+            device = args.device or args.device_flag
+            if device is None or (args.device and args.device_flag and args.device != args.device_flag):
+                raise UserError("pin-stack: name one device: `tilepilot pin-stack sm90 --tilelang X --from-ab REPORT`")
+            mx.device(device)
+            versions = {k: v for k, v in (("tilelang", args.tilelang), ("torch", args.torch)) if v}
+            for line in ab.pin_stack(device, versions, args.report, args.matrix):
+                print(f"tilepilot: {line}")
             return 0
         if args.cmd == "gate":
             from tilepilot import gate
