@@ -35,7 +35,8 @@ def _major_minor(version: str) -> str:
 def of_env(env: dict[str, Any]) -> dict[str, str]:
     """The stack an environment capture (tilepilot.envinfo.capture) holds: Python and torch's CUDA as
     major.minor, as the pins give them; torch without its local build part (+cu130), which is `cuda`."""
-    torch = env.get("torch") if isinstance(env.get("torch"), dict) else {}
+    raw = env.get("torch")
+    torch: dict[str, Any] = raw if isinstance(raw, dict) else {}  # a malformed capture reads as none
     torch_v, cuda = torch.get("version"), torch.get("cuda")
     return {
         "tilelang": str(env.get("tilelang") or "none"),
