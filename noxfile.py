@@ -5,6 +5,7 @@ nox -s tests                 # the test suite, in its own pinned virtualenv
 nox -s pin-sm90              # sm90's base image pinned by digest (matrix.toml); nox -s image-check
 nox -s lint | publish | gate
 nox -s submit -- --engine slurm [--devices sm90,sm80]   # one job per device, then merge + gate
+nox -s ab-sm90 -- --tilelang 0.1.15,0.1.14   # the commit on two stacks, then `tilepilot ab`
 
 The sessions that run tilepilot use, in this order: the interpreter TILEPILOT_PYTHON names; nox's
 own interpreter when it can import the project's stack (nothing is installed then, as on a GPU host
@@ -109,7 +110,7 @@ def _interpreter(session: nox.Session, needs: tuple[str, ...], pins: dict[str, A
     return "python"
 
 
-def _tilepilot(session: nox.Session, python: str, *args: str) -> None:
+def _tilepilot(session: nox.Session, python: str, *args: str, success_codes: list[int] | None = None) -> None:
     session.run(
         python,
         "-m",
@@ -117,6 +118,7 @@ def _tilepilot(session: nox.Session, python: str, *args: str) -> None:
         *args,
         external=True,
         env={"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))},
+        success_codes=success_codes or [0],
     )
 
 
@@ -184,6 +186,106 @@ for _dev in MATRIX["devices"]:
 
     _tune_session.__doc__ = (
         f"Autotune {_dev}'s kernels after correctness; winners into kernels/configs/tuned/{_dev}.toml."
+    )
+
+
+def _ab_args(session: nox.Session, pins: dict[str, Any]) -> tuple[list[dict[str, str]], Path | None, list[str]]:
+    """`-- --tilelang A,B [--torch A,B] [--site DIR] [pilot flags]`: each side's versions (the pins with
+    the given ones laid over), the prepared site directory of a one-side run, and the pilot's flags."""
+    args, given, site = list(session.posargs), {}, None
+    rest: list[str] = []
+    while args:
+        a = args.pop(0)
+        key, _, value = a.partition("=")
+        if key in ("--tilelang", "--torch", "--site"):
+            if not value:
+                if not args:
+                    session.error(f"{key} needs a value (--tilelang 0.1.15,0.1.14; --site DIR)")
+                value = args.pop(0)
+            if key == "--site":
+                site = Path(value)
+            else:
+                given[key[2:]] = [v.strip() for v in value.split(",") if v.strip()]
+        else:
+            rest.append(a)
+    want = 1 if site is not None else 2
+    if (
+        not given
+        or any(len(v) != want for v in given.values())
+        or (want == 2 and all(a == b for a, b in given.values()))
+    ):
+        session.error(
+            "ab: --tilelang BASE,NEW (and/or --torch BASE,NEW), two different versions; with --site DIR, the one "
+            "side's versions (--tilelang VERSION): the site directory holds that stack"
+        )
+    sides = [
+        {**{k: str(pins[k]) for k in ("tilelang", "torch")}, **{k: v[i] for k, v in given.items()}} for i in range(want)
+    ]
+    return sides, site, rest
+
+
+def _declared(side: dict[str, str], pins: dict[str, Any]) -> list[str]:
+    """The side's `--stack KEY=VERSION` flags: the pilot checks that its environment holds them, and
+    files the run under its own machine name (tilepilot.stack); none for the pinned side."""
+    return [f"--stack={k}={v}" for k, v in side.items() if v != str(pins[k])]
+
+
+def _ab(session: nox.Session, device: str) -> None:
+    """Each side a full pilot run (or --compile-only) of this commit on its stack, filed under its own
+    machine name (tilepilot.stack); then `tilepilot ab` when both sides ran here."""
+    pins = _pins(device)
+    sides, site, rest = _ab_args(session, pins)
+    flags = ["--device", device, *rest]
+    if site is not None:  # a host that cannot install: the stack is handed in, one side per invocation
+        if not site.is_dir():
+            session.error(f"--site {site}: no such directory (a `pip install --target DIR tilelang==...`)")
+        python = _interpreter(session, NEEDS_PILOT, pins)
+        # The site directory goes first on the path, so its TileLang (or torch) hides the interpreter's.
+        path = os.pathsep.join(filter(None, [str(site.resolve()), str(ROOT), os.environ.get("PYTHONPATH")]))
+        run = [python, "-m", "tilepilot", "pilot", "--host", *[f for f in flags if f != "--host"]]
+        session.run(*run, *_declared(sides[0], pins), external=True, env={"PYTHONPATH": path})
+        session.log("one side done; merge each side's results tree with `tilepilot merge`, then `tilepilot ab`")
+        return
+    host = "--host" in rest or not _docker_reachable(session, _interpreter(session, NEEDS, pins))
+    for side in sides:
+        declared = _declared(side, pins)
+        if host:  # one virtualenv per side: the side's torch from the device's index, its TileLang, the project
+            venv = ROOT / ".nox" / f"ab-{device}" / "_".join(f"{k}-{v}" for k, v in sorted(side.items()))
+            python = str(venv / "bin" / "python")
+            if not Path(python).exists():
+                session.run(f"python{pins['python']}", "-m", "venv", str(venv), external=True)
+            index = ["--index-url", pins["torch_index"]] if pins.get("torch_index") else []
+            session.run(python, "-m", "pip", "install", f"torch=={side['torch']}", *index, external=True)
+            session.run(
+                python, "-m", "pip", "install", f"tilelang=={side['tilelang']}", "pytest>=8", "-e", ".", external=True
+            )
+            # Exit 1 is a run that failed and says so in its records: the A/B reads it (BLOCKED), so go on.
+            _tilepilot(
+                session,
+                python,
+                "pilot",
+                "--host",
+                *[f for f in flags if f != "--host"],
+                *declared,
+                success_codes=[0, 1],
+            )
+        else:  # the side's own image: its stack is in the lock and the image's content hash
+            python = _interpreter(session, NEEDS, pins)
+            if declared:  # the pinned side's lock is the committed one
+                _tilepilot(session, python, "image", "lock", "--device", device, *declared)
+            _tilepilot(session, python, "pilot", *flags, *declared, success_codes=[0, 1])
+    pairs = [f"--{k}={sides[0][k]},{sides[1][k]}" for k in ("tilelang", "torch") if sides[0][k] != sides[1][k]]
+    _tilepilot(session, _interpreter(session, NEEDS, pins), "ab", "--device", device, *pairs)
+
+
+for _dev in MATRIX["devices"]:
+
+    @nox.session(name=f"ab-{_dev}", **_session_args(_dev, NEEDS))
+    def _ab_session(session: nox.Session, device: str = _dev) -> None:
+        _ab(session, device)
+
+    _ab_session.__doc__ = (
+        f"A/B of two stacks on {_dev}: -- --tilelang BASE,NEW [--torch BASE,NEW] [--site DIR] [pilot flags]."
     )
 
 

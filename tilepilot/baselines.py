@@ -98,11 +98,12 @@ def _pos(v: Any) -> bool:
     return isinstance(v, float | int) and not isinstance(v, bool) and math.isfinite(v) and v > 0
 
 
-def _flat(env: Any, prefix: str = "") -> dict[str, str]:
+def flat_env(env: Any, prefix: str = "") -> dict[str, str]:
+    """A run's `env` capture as dotted keys ("torch.version"), values as text, None left out."""
     out: dict[str, str] = {}
     for k, v in env.items() if isinstance(env, dict) else []:
         if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
+            out.update(flat_env(v, f"{prefix}{k}."))
         elif v is not None:
             out[f"{prefix}{k}"] = str(v)
     return out
@@ -168,7 +169,7 @@ def _load_run(rdir: Path, root: Path) -> RunCases:
         reference=reference,
         shipped=shipped,
         source_sha256=hashes,
-        env={k: v for k, v in _flat(run.get("env")).items() if not k.startswith("git.")},
+        env={k: v for k, v in flat_env(run.get("env")).items() if not k.startswith("git.")},
     )
 
 
@@ -401,6 +402,22 @@ def baselines(
     return out
 
 
+def judge_pair(new: Sample, old: Sample, noise: Noise, case: str, *, factor: float, margin: float) -> dict[str, Any]:
+    """One kernel comparison as the gate makes it: the combined verdict, its latency and cycles
+    verdicts on the case's A/A bands, and where the bands came from (also `tilepilot ab`'s)."""
+    band_l, src = noise.band(case, "latency")
+    band_c, _ = noise.band(case, "cycles")
+    lat = verdict(new, old, band_l, factor, margin)
+    cyc = verdict(new, old, band_c, factor, margin, normalised=True)
+    assert lat is not None  # both medians are positive by construction
+    return {
+        "verdict": combined(lat, cyc),
+        "latency": {"label": lat.label, "ratio": lat.ratio, "threshold": lat.threshold, "band": lat.band},
+        "cycles": None if cyc is None else {"label": cyc.label, "ratio": cyc.ratio, "band": cyc.band},
+        "calibration": src,
+    }
+
+
 def compare_case(
     h: History,
     cur: RunCases,
@@ -423,19 +440,7 @@ def compare_case(
             entry["verdict"] = "MISSING"
             out["baselines"][base.kind] = entry
             continue
-        old = run.kernel[case]
-        band_l, src = noise.band(case, "latency")
-        band_c, _ = noise.band(case, "cycles")
-        lat = verdict(k, old, band_l, factor, margin)
-        cyc = verdict(k, old, band_c, factor, margin, normalised=True)
-        assert lat is not None  # both medians are positive by construction
-        entry.update(
-            run=run.run,
-            verdict=combined(lat, cyc),
-            latency={"label": lat.label, "ratio": lat.ratio, "threshold": lat.threshold, "band": lat.band},
-            cycles=None if cyc is None else {"label": cyc.label, "ratio": cyc.ratio, "band": cyc.band},
-            calibration=src,
-        )
+        entry.update(run=run.run, **judge_pair(k, run.kernel[case], noise, case, factor=factor, margin=margin))
         if entry["verdict"] != UNCHANGED:
             entry["why"] = why_moved(cur, run, case)
         rn, ro = cur.reference.get(case), run.reference.get(case)

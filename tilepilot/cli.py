@@ -1,5 +1,5 @@
 """The `tilepilot` command: matrix check, env, cases, pilot, image, publish, gate; submit, status,
-collect and merge for a cluster; ci render for GitHub Actions.
+collect and merge for a cluster; ci render for GitHub Actions; ab and pin-stack for a new stack.
 
 Every command validates matrix.toml first; a UserError becomes one line and exit status 2.
 """
@@ -50,6 +50,21 @@ def positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text} is not a number > 0")
     return value
+
+
+def stack_item(text: str) -> tuple[str, str]:
+    """An argparse type: KEY=VERSION for --stack, KEY one of tilelang, torch."""
+    key, _, version = text.partition("=")
+    if key not in ("tilelang", "torch") or not version.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not tilelang=VERSION or torch=VERSION")
+    return key, version.strip()
+
+
+STACK_HELP = (
+    "an A/B side: KEY=VERSION (tilelang=0.1.14, torch=2.12.0; repeatable) over the device's pins. Container "
+    "mode builds the side's own image (its lock containers/locks/<device>__<side>.lock, its content hash); "
+    "host mode checks that this environment holds it. The run is filed under its own machine name"
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -112,6 +127,7 @@ def _parser() -> argparse.ArgumentParser:
         help="run on a stack that differs from the device's pins; the records list the differences "
         "(`unpinned`) and the gate fails the run (otherwise exit 2)",
     )
+    r.add_argument("--stack", type=stack_item, action="append", default=[], metavar="KEY=VERSION", help=STACK_HELP)
     r.add_argument("--rebuild", action="store_true", help="container mode: build the image even if its tag exists")
     r.add_argument("--wheelhouse", type=Path, default=None, help="container mode: install wheels from DIR, offline")
     i = sub.add_parser("image", help="the device's pinned image: lock, render, build; its base: pin, check")
@@ -127,6 +143,7 @@ def _parser() -> argparse.ArgumentParser:
         "--device", default=None, help="the matrix.toml device whose image it is (check: default every device)"
     )
     i.add_argument("--rebuild", action="store_true", help="build the image even if its tag exists")
+    i.add_argument("--stack", type=stack_item, action="append", default=[], metavar="KEY=VERSION", help=STACK_HELP)
     i.add_argument("--wheelhouse", type=Path, default=None, help="resolve (lock) or install (build) from DIR")
     i.add_argument(
         "--from",
@@ -215,6 +232,33 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="the results tree to judge (default: $TILEPILOT_RESULTS, else results/)",
     )
+    ab = sub.add_parser(
+        "ab",
+        help="A/B of two stacks at one code commit: SAFE TO UPGRADE or BLOCKED (exit 1)",
+        description="Compare the two sides (runs filed under each stack, tilepilot.stack) of one code commit "
+        "and device, case by case; write <out>/<device>-<base>-vs-<new>.md and .json. Exit status: 0 SAFE TO "
+        "UPGRADE, 1 BLOCKED, 2 bad input.",
+    )
+    ab.add_argument("--device", required=True, help="the matrix.toml device whose sides are compared")
+    ab.add_argument("--tilelang", default=None, metavar="BASE,NEW", help="the two TileLang versions, base first")
+    ab.add_argument("--torch", default=None, metavar="BASE,NEW", help="the two torch versions, base first")
+    ab.add_argument("--commit", default="HEAD", help="the revision whose code commit both sides ran (default HEAD)")
+    ab.add_argument("--machine", default=None, help="the plain machine name, where several hold both sides")
+    ab.add_argument(
+        "--results", type=Path, default=None, help="the results tree (default: $TILEPILOT_RESULTS, else results/)"
+    )
+    ab.add_argument("--out", type=Path, default=None, help="where the report goes (default: gate/ab/)")
+    ps = sub.add_parser(
+        "pin-stack",
+        help="move a device's TileLang/torch pin in matrix.toml, only where an A/B report says SAFE TO UPGRADE",
+    )
+    ps.add_argument("device", nargs="?", default=None, help="the matrix.toml device whose pin moves")
+    ps.add_argument("--device", dest="device_flag", default=None, help=argparse.SUPPRESS)  # as other commands say it
+    ps.add_argument("--tilelang", default=None, help="the new TileLang pin")
+    ps.add_argument("--torch", default=None, help="the new torch pin")
+    ps.add_argument(
+        "--from-ab", "--from", dest="report", type=Path, required=True, help="the `tilepilot ab` report (.json)"
+    )
     return p
 
 
@@ -267,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
                 wheelhouse=args.wheelhouse,
                 compile_only=args.compile_only,
                 allow_unpinned=args.allow_unpinned,
+                over=dict(args.stack) or None,
             )
         if args.cmd == "image":
             return _image(args, mx)
@@ -333,6 +378,31 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"tilepilot: wrote {', '.join(map(str, ci.write(mx, args.out or ci.GITHUB)))}")
             return 0
+        if args.cmd == "ab":
+            from tilepilot import ab
+
+            mx.device(args.device)
+            return ab.run(
+                args.device,
+                args.tilelang,
+                args.torch,
+                rev=args.commit,
+                machine=args.machine,
+                results=args.results,
+                out_dir=args.out,
+                matrix_path=args.matrix if named_matrix else None,  # else the commit's own, as the gate
+            )
+        if args.cmd == "pin-stack":
+            from tilepilot import ab
+
+            device = args.device or args.device_flag
+            if device is None or (args.device and args.device_flag and args.device != args.device_flag):
+                raise UserError("pin-stack: name one device: `tilepilot pin-stack sm90 --tilelang X --from-ab REPORT`")
+            mx.device(device)
+            versions = {k: v for k, v in (("tilelang", args.tilelang), ("torch", args.torch)) if v}
+            for line in ab.pin_stack(device, versions, args.report, args.matrix):
+                print(f"tilepilot: {line}")
+            return 0
         if args.cmd == "gate":
             from tilepilot import gate
 
@@ -369,19 +439,22 @@ def _image(args: argparse.Namespace, mx: matrix.Matrix) -> int:
     if args.device is None:
         raise UserError(f"image {args.action}: --device is required (one of {', '.join(mx.devices)})")
     mx.device(args.device)
+    over = dict(args.stack) or None
+    if over and args.action == "pin":
+        raise UserError("image pin --stack: the base image is the device's, whatever the side; pin it without --stack")
     if args.action == "lock":
-        print(f"tilepilot: wrote {containers.lock(mx, args.device, args.wheelhouse, args.source)}")
+        print(f"tilepilot: wrote {containers.lock(mx, args.device, args.wheelhouse, args.source, over)}")
     elif args.action == "pin":
         old, new = digests.pin(mx, args.device, args.matrix, containers.client())
         row = mx.device(args.device)
         same = " (unchanged)" if old == new else f" (was {old})"
         print(f"tilepilot: {args.matrix}: devices.{args.device}.base_digest = {new}{same}: {row.base_image}")
     elif args.action == "render":
-        print(containers.render(mx, args.device, wheelhouse=args.wheelhouse is not None), end="")
+        print(containers.render(mx, args.device, wheelhouse=args.wheelhouse is not None, over=over), end="")
     elif args.action == "tag":
-        print(containers.image_tag(mx, args.device, containers.client(), args.wheelhouse is not None))
+        print(containers.image_tag(mx, args.device, containers.client(), args.wheelhouse is not None, over))
     else:
-        print(containers.build(mx, args.device, rebuild=args.rebuild, wheelhouse=args.wheelhouse))
+        print(containers.build(mx, args.device, rebuild=args.rebuild, wheelhouse=args.wheelhouse, over=over))
     return 0
 
 

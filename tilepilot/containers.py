@@ -45,8 +45,21 @@ def requirements(row: matrix.Device) -> list[str]:
     return reqs
 
 
-def lock_path(device: str) -> Path:
-    return paths.current().locks / f"{device}.lock"
+Stack = dict[str, str] | None  # an A/B side's versions over the row's pins ({"tilelang": "0.1.14"}); None: pinned
+
+
+def row_of(mx: matrix.Matrix, device: str, over: Stack = None) -> matrix.Device:
+    """The device's row, with an A/B side's versions laid over its pins: the side's image is built
+    from it, so the side's stack is in its Dockerfile, lock and content hash (image_tag)."""
+    row = mx.device(device)
+    return row.model_copy(update=over) if over else row
+
+
+def lock_path(device: str, over: Stack = None) -> Path:
+    """containers/locks/<device>.lock; an A/B side's: <device>__<its tag>.lock (tilepilot.stack)."""
+    from tilepilot import stack
+
+    return paths.current().locks / f"{stack.machine(device, over or {})}.lock"
 
 
 # The wheels' platforms: manylinux up to the oldest glibc among the bases (Debian 12's 2.36; Ubuntu
@@ -136,11 +149,13 @@ def _cuda_of(pins: list[tuple[str, str, str]]) -> str | None:
     return None
 
 
-def lock(mx: matrix.Matrix, device: str, wheelhouse: Path | None = None, source: str = "auto") -> Path:
+def lock(
+    mx: matrix.Matrix, device: str, wheelhouse: Path | None = None, source: str = "auto", over: Stack = None
+) -> Path:
     """Resolve the row's requirements for the image's Python and platform, and pin every file by its
     sha256: from PyPI alone where it serves the row, else from the row's torch index (`source`); with
     a wheelhouse, offline from its files."""
-    row = mx.device(device)
+    row = row_of(mx, device, over)
     index: list[str] = []
     if wheelhouse is not None:
         pins = _from_wheelhouse(device, row, wheelhouse)
@@ -183,7 +198,7 @@ def lock(mx: matrix.Matrix, device: str, wheelhouse: Path | None = None, source:
         *(f"{index[i]} {index[i + 1]}" for i in range(0, len(index), 2)),
         *(f"{name}=={version} --hash=sha256:{sha}" for name, version, sha in pins),
     ]
-    return record.write_text(lock_path(device), "\n".join(lines) + "\n")
+    return record.write_text(lock_path(device, over), "\n".join(lines) + "\n")
 
 
 def _from_wheelhouse(device: str, row: matrix.Device, wheelhouse: Path) -> list[tuple[str, str, str]]:
@@ -205,8 +220,8 @@ def _from_wheelhouse(device: str, row: matrix.Device, wheelhouse: Path) -> list[
     return out
 
 
-def _read_lock(device: str) -> str:
-    path = lock_path(device)
+def _read_lock(device: str, over: Stack = None) -> str:
+    path = lock_path(device, over)
     if not path.exists():
         raise UserError(
             f"{path}: no lock for {device}; write it with `tilepilot image lock --device {device}` "
@@ -235,13 +250,15 @@ def render(
     lock_text: str | None = None,
     wheelhouse: bool = False,
     base_ref: str | None = None,
+    over: Stack = None,
 ) -> str:
     """The device's Dockerfile, from its matrix row (what `tilepilot image render` prints)."""
     import jinja2
 
-    row = mx.device(device)
+    row = row_of(mx, device, over)
     if lock_text is None:  # rendering needs no lock (building does): print what a lock would go into
-        lock_text = lock_path(device).read_text(encoding="utf-8") if lock_path(device).exists() else ""
+        lock = lock_path(device, over)
+        lock_text = lock.read_text(encoding="utf-8") if lock.exists() else ""
     text = lock_text
     pip_env, ca = _pip_settings()
     base = base_ref or digests.pinned_ref(row)
@@ -304,12 +321,14 @@ def _base_id(c: Any, row: matrix.Device) -> str:
         return "not-present"
 
 
-def image_tag(mx: matrix.Matrix, device: str, c: Any | None = None, wheelhouse: bool = False) -> str:
-    row = mx.device(device)
-    text = _read_lock(device)
+def image_tag(
+    mx: matrix.Matrix, device: str, c: Any | None = None, wheelhouse: bool = False, over: Stack = None
+) -> str:
+    row = row_of(mx, device, over)
+    text = _read_lock(device, over)
     h = hashlib.sha256()
     for part in (
-        render(mx, device, lock_text=text, wheelhouse=wheelhouse),
+        render(mx, device, lock_text=text, wheelhouse=wheelhouse, over=over),
         text,
         row.model_dump_json(),
         _base_id(c, row) if c is not None else "",
@@ -319,11 +338,13 @@ def image_tag(mx: matrix.Matrix, device: str, c: Any | None = None, wheelhouse: 
 
 
 @contextlib.contextmanager
-def _context(mx: matrix.Matrix, device: str, wheelhouse: Path | None) -> Iterator[Path]:
-    text = _read_lock(device)
+def _context(mx: matrix.Matrix, device: str, wheelhouse: Path | None, over: Stack = None) -> Iterator[Path]:
+    text = _read_lock(device, over)
     with tempfile.TemporaryDirectory(prefix=f"tilepilot-{device}-") as tmp:
         ctx = Path(tmp)
-        (ctx / "Dockerfile").write_text(render(mx, device, lock_text=text, wheelhouse=wheelhouse is not None))
+        (ctx / "Dockerfile").write_text(
+            render(mx, device, lock_text=text, wheelhouse=wheelhouse is not None, over=over)
+        )
         (ctx / "requirements.lock").write_text(text)
         shutil.copy2(TEMPLATES / "check_versions.py", ctx / "check_versions.py")
         _, ca = _pip_settings()
@@ -342,14 +363,20 @@ def _context(mx: matrix.Matrix, device: str, wheelhouse: Path | None) -> Iterato
 
 
 def build(
-    mx: matrix.Matrix, device: str, *, rebuild: bool = False, wheelhouse: Path | None = None, log: Any = print
+    mx: matrix.Matrix,
+    device: str,
+    *,
+    rebuild: bool = False,
+    wheelhouse: Path | None = None,
+    log: Any = print,
+    over: Stack = None,
 ) -> str:
     """Build the device's image, or reuse it when its tag exists; the build log streams live."""
     import docker
 
-    _read_lock(device)  # the missing file is named first, whether or not an engine answers
+    _read_lock(device, over)  # the missing file is named first, whether or not an engine answers
     c = client()
-    tag = image_tag(mx, device, c, wheelhouse is not None)
+    tag = image_tag(mx, device, c, wheelhouse is not None, over)
     if not rebuild:
         try:
             existing = c.images.get(tag)
@@ -359,7 +386,7 @@ def build(
         except docker.errors.ImageNotFound:
             pass
     log(f"tilepilot: building {tag} for {device}")
-    with _context(mx, device, wheelhouse) as ctx:
+    with _context(mx, device, wheelhouse, over) as ctx:
         # The low-level API yields the log as it happens; images.build() only returns it at the end.
         error = None
         # --rebuild means from scratch: no layer cache, so the version check runs again too.

@@ -34,7 +34,7 @@ from typing import Any
 
 from tabulate import tabulate
 
-from tilepilot import baselines, blockspec, cases, envinfo, evidence, matrix, paths, record, release_page
+from tilepilot import baselines, blockspec, cases, envinfo, evidence, matrix, paths, record, release_page, stack
 from tilepilot.errors import UserError
 from tilepilot.evidence import EvidenceError
 
@@ -287,6 +287,8 @@ def _find_run(root: Path, device: str, commit: str) -> tuple[Run | None, list[st
     for rf in evidence.runs(root):
         if rf.commit != commit or not rf.machine.startswith(f"{device}-") or rf.machine.endswith("-compile-only"):
             continue
+        if stack.split(rf.machine)[1] is not None:  # an A/B side on another stack: never this release's
+            continue
         if not evidence.RUN_ID.match(rf.id):
             raise EvidenceError(rf.path, "not a run folder (its name is no UTC start time, YYYYMMDDTHHMMSSZ)")
         found.append((rf.id[:16], rf.machine, rf.path, rf.finished))
@@ -298,6 +300,21 @@ def _find_run(root: Path, device: str, commit: str) -> tuple[Run | None, list[st
             return Run(machine, rdir, unfinished, others), []
         unfinished.append(f"{machine}/{rdir.name}")
     return None, unfinished
+
+
+def _off_pin_runs(root: Path, device: str, commit: str) -> list[str]:
+    """The finished runs of the commit on this device filed under another stack (tilepilot.stack): A/B
+    sides, which the gate neither judges nor picks; named in its report so that none is mistaken for
+    missing evidence or for the judged run."""
+    out = []
+    try:
+        for rf in evidence.runs(root):
+            base, diff = stack.split(rf.machine)
+            if diff is not None and rf.commit == commit and base.startswith(f"{device}-") and rf.finished:
+                out.append(f"{rf.machine}/{rf.id} ({stack.describe(diff)})")
+    except EvidenceError:  # the run search itself names a broken tree
+        pass
+    return out
 
 
 def _identity(hdr: evidence.Header, path: Path, run: Run, device: str, commit: str, dev: matrix.Device) -> list[str]:
@@ -1030,7 +1047,7 @@ def check_device(g: Gate, device: str) -> dict[str, Any]:
             "operators": {op: {"status": FAIL, "problems": problems} for op in ops},
         }
     if run is None:
-        return _absent(g, device, unfinished)
+        return {**_absent(g, device, unfinished), "off_pin_runs": _off_pin_runs(g.root, device, g.commit)}
     j = _load_run(g.root, run, device, g.commit, dev, ops, "model" in g.mx.pilot.metrics)
     j.problems += g.unjudged
     every = {c.id for c in [*g.all_cases, *blockspec.model_kernel_cases(g.mx)]}
@@ -1061,6 +1078,7 @@ def check_device(g: Gate, device: str) -> dict[str, Any]:
         "machine": run.machine,
         "run": run.id,
         "unfinished_runs": run.unfinished,
+        "off_pin_runs": _off_pin_runs(g.root, device, g.commit),
         "run_problems": j.problems,
         "operators": {},
     }
@@ -1189,6 +1207,10 @@ def _report(commit: str, ok: bool, devices: list[dict[str, Any]], ops: list[str]
             ]
         for p in d.get("run_problems", []):
             lines.append(f"- {d['device']}: {p}")
+        lines += [
+            f"- {d['device']} (note): not judged: `{r}`, an A/B side on another stack (`tilepilot ab`)"
+            for r in d.get("off_pin_runs", [])
+        ]
         for op in ops:
             v = d["operators"][op]
             if v.get("shapes"):

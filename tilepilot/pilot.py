@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from tilepilot import build, cases, envinfo, matrix, paths, record
+from tilepilot import build, cases, envinfo, matrix, paths, record, stack
 from tilepilot.errors import UserError
 
 ROOT = record.ROOT
@@ -58,6 +58,7 @@ class Run:
     compile_only: bool = False
     unpinned: list[str] = field(default_factory=list)
     allow_unpinned: bool = False
+    off_pin: dict[str, str] = field(default_factory=dict)  # tilepilot.stack: versions that differ from the pins
     machine: str = ""
     commit: str = ""
     rid: str = field(default_factory=record.run_id)
@@ -109,6 +110,9 @@ class Run:
             "unpinned": self.unpinned,
             "allow_unpinned": self.allow_unpinned,
             "pins": self.mx.device(self.device).model_dump(),
+            # The stack is part of the run's identity (tilepilot.stack): an off-pin run is an A/B
+            # side, filed under its own machine name, never the pinned release's evidence.
+            "stack": stack.record(self.mx.device(self.device), self.env, self.off_pin),
         }
 
 
@@ -711,6 +715,7 @@ def pilot(
     wheelhouse: Path | None = None,
     compile_only: bool = False,
     allow_unpinned: bool = False,
+    over: dict[str, str] | None = None,
 ) -> int:
     mx = matrix.load(matrix_path)
     dev = mx.device(device)
@@ -727,7 +732,7 @@ def pilot(
             lists = f"lists no {dev.compute_capability if dev.vendor == 'nvidia' else dev.arch} GPU"
             raise UserError(_where(device, dev, f"{tool} {lists}" if shutil.which(tool) else f"no {tool}"))
 
-        tag = containers.build(mx, device, rebuild=rebuild, wheelhouse=wheelhouse)
+        tag = containers.build(mx, device, rebuild=rebuild, wheelhouse=wheelhouse, over=over)
         args = [
             *(["--cases", pattern] if pattern else []),
             *(["--workers", str(workers)] if workers else []),
@@ -738,6 +743,7 @@ def pilot(
             *([] if publish else ["--no-publish"]),
             *(["--compile-only"] if compile_only else []),
             *(["--allow-unpinned"] if allow_unpinned else []),
+            *(f"--stack={k}={v}" for k, v in (over or {}).items()),  # the image's pilot checks it holds them
         ]
         return containers.run(mx, device, tag, args, matrix_path or paths.current().matrix)
     env = envinfo.capture()
@@ -745,27 +751,40 @@ def pilot(
     # A CPU smoke device has no GPU to measure on: it is compile-only by what it is.
     compile_only = compile_only or dev.vendor == "cpu"
     unpinned = envinfo.pin_differences(dev, env, check_driver=on_gpu and not compile_only)
+    have = stack.of_env(env)
+    wrong = [f"{k} {have[k]}, not {v}" for k, v in (over or {}).items() if have[k] != v]
+    if wrong:  # an A/B side is the stack it says, or it is nothing
+        raise UserError(f"--stack: this environment has {', '.join(wrong)}: install the side's stack first")
     cache = Path(os.environ.get("TILEPILOT_CACHE", Path.home() / ".cache" / "tilepilot" / device))
     timeout = float(os.environ.get("TILEPILOT_CASE_TIMEOUT", "600"))
     run = Run(device, mx, env, pattern, workers or max(1, (os.cpu_count() or 2)), trials, cache, cold, timeout)
     run.on_gpu, run.compile_only = on_gpu and not compile_only, compile_only
     run.unpinned, run.allow_unpinned = unpinned, allow_unpinned
+    run.off_pin = stack.off_pin(dev, env)
+    # A side declared with --stack is off its pins on purpose: those differences need no --allow-unpinned
+    # (its records still list them, and its own machine name keeps it from the gate); any other does.
+    undeclared = [u for u in unpinned if u.split()[0] not in (over or {})]
     pins = (
-        f"this environment is not {device}'s pinned stack (matrix.toml [devices.{device}]): {', '.join(unpinned)}; "
+        f"this environment is not {device}'s pinned stack (matrix.toml [devices.{device}]): {', '.join(undeclared)}; "
         "install it (README: Set-up) or pass --allow-unpinned (the records say so, and the gate fails the run)"
     )
     if not on_gpu and not compile_only:
         here = env["gpu"].get("name") or env["gpu"].get("why") or "no GPU"
-        raise UserError(_where(device, dev, here) + (f"; also, {pins}" if unpinned and not allow_unpinned else ""))
-    if unpinned and not allow_unpinned:
+        raise UserError(_where(device, dev, here) + (f"; also, {pins}" if undeclared and not allow_unpinned else ""))
+    if undeclared and not allow_unpinned:
         raise UserError(pins)
-    run.machine = machine_name(device, env["gpu"], run.on_gpu)
+    run.machine = stack.machine(machine_name(device, env["gpu"], run.on_gpu), run.off_pin)
     run.commit = env["git"]["commit"] or "uncommitted"
     say(
         f"{device} ({dev.name}) on {env['gpu'].get('name', 'no GPU')}: {len(sel)} cases, run {run.rid}, "
         f"commit {run.commit[:12]}{' (dirty)' if env['git']['dirty'] else ''}"
     )
-    if unpinned:
+    if run.off_pin:
+        say(
+            f"OFF-PIN STACK ({stack.describe(run.off_pin, dev)}): filed as machine {run.machine}, an A/B side "
+            "that the gate never judges (`tilepilot ab` compares it with the pinned side)"
+        )
+    elif unpinned:
         say(f"UNPINNED (--allow-unpinned): {', '.join(unpinned)}; every record says so and the gate fails this run")
     if compile_only:
         have = env["gpu"].get("name") or env["gpu"].get("why")
@@ -814,6 +833,9 @@ def pilot(
         say(f"COMPILE-ONLY: {len(results)} kernels built and checked; nothing measured")
     else:
         say("every step ran; `nox -s gate` gives the release verdict")
-    if unpinned:
-        say(f"UNPINNED: {', '.join(unpinned)} (run.json unpinned; the gate fails this run)")
+    if unpinned:  # an off-pin side is filed apart: the gate never picks it (tilepilot.stack)
+        fate = (
+            f"an A/B side as {run.machine}: `tilepilot ab`, not the gate" if run.off_pin else "the gate fails this run"
+        )
+        say(f"UNPINNED: {', '.join(unpinned)} (run.json unpinned; {fate})")
     return 0
