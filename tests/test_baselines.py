@@ -1,7 +1,7 @@
 """The release manager's baselines and three-way verdicts (tilepilot.baselines), on the committed
 history: the A/A pairs it holds (same commit measured twice) never yield REGRESSED; a slow creep
 over five real commits does, against the window and the release; a throttled run of an unchanged
-kernel is told apart as "same binary: environment"; and the gate at the measured head shows all
+kernel is told apart by its clock; and the gate at the measured head shows all
 three baselines."""
 
 from __future__ import annotations
@@ -140,10 +140,11 @@ def test_slow_creep_regresses_against_the_window_and_the_release(tmp_path: Path,
     assert other["verdict"] != "MISSING"
 
 
-def test_a_throttled_run_of_the_same_binary_is_the_environment(tmp_path: Path) -> None:
+def test_a_throttled_run_of_the_same_source_names_the_clock(tmp_path: Path) -> None:
     """The newest run with the shipped kernel 30% slower and its SM clock 30% lower: the latency is
     REGRESSED, the clock-normalised latency UNCHANGED, and the build's source hash is the previous
-    commit's: "same binary: environment", naming the clock."""
+    commit's. The committed runs recorded no cubin hash, so it is not "same binary" (fail closed:
+    tests/test_why_moved.py has the runs that did) but "no build hash recorded", naming the clock."""
     root = tmp_path / "results"
     for commit in CALIBRATION:  # A/A pairs for the thresholds: each of these commits measured twice
         _copy_run(commit, root, newest=False)
@@ -166,7 +167,7 @@ def test_a_throttled_run_of_the_same_binary_is_the_environment(tmp_path: Path) -
     prev = res["cases"][CASE]["baselines"]["previous"]
     assert prev["commit"] == PREVIOUS
     assert prev["latency"]["label"] == B.REGRESSED and prev["cycles"]["label"] == B.UNCHANGED, prev
-    assert prev["why"].startswith("same binary: environment: "), prev["why"]
+    assert prev["why"].startswith("no build hash recorded: same kernel source "), prev["why"]
     assert "SM clock 1980 -> 1523.08 MHz" in prev["why"], prev["why"]
     assert res["aa_pairs"] == len(CALIBRATION)
     # A missing baseline is said: this checkout has no release tag.
@@ -182,7 +183,10 @@ def test_a_decode_kernel_that_moved_says_its_codegen_changed(history: B.History)
     assert cur is not None and old is not None
     why = B.why_moved(cur, old, "decode/llama8b-b8-c128k/bfloat16/bottom-right")
     assert why.startswith("codegen changed: kernel source "), why
-    assert B.why_moved(cur, old, CASE).startswith("same binary: environment"), B.why_moved(cur, old, CASE)
+    # Same source, but these runs predate cubin hashes: said, never taken for the same binary.
+    assert B.why_moved(cur, old, CASE).startswith("no build hash recorded: same kernel source"), B.why_moved(
+        cur, old, CASE
+    )
 
 
 def _verdict_at_head(tmp: Path) -> tuple[int, dict[str, Any], str]:

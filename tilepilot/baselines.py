@@ -18,13 +18,15 @@ The comparison functions are pure (records in, verdicts out); reading the tree i
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import json
 import math
+import re
 import statistics
 import subprocess
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,7 +40,20 @@ UNCHANGED: Label = "UNCHANGED"
 IMPROVED: Label = "IMPROVED"
 KINDS = ("previous", "release", "window")
 # What "same binary: environment" names when it differs between two runs (dotted keys of env).
-ENV_KEYS = ("gpu.driver", "torch.version", "torch.cuda", "torch.hip", "tilelang", "toolkit.nvcc", "python", "gpu.name")
+ENV_KEYS = (
+    "gpu.driver",
+    "torch.version",
+    "torch.cuda",
+    "torch.hip",
+    "torch.cudnn",
+    "torch.cublas",
+    "tilelang",
+    "toolkit.nvcc",
+    "python",
+    "gpu.name",
+    "gpu.power_limit_w",
+)
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,6 +88,14 @@ class RunCases:
     shipped: dict[str, bool]
     source_sha256: dict[str, str]
     env: dict[str, str]
+    binary_sha256: dict[str, str] = field(default_factory=dict)  # the cubin's, where the build recorded it
+    # The model block (model.json): per block id its shipped side (the one the release ships) and the
+    # eager framework block, judged like a kernel and its reference; empty where unread or unmeasured.
+    block: dict[str, Sample] = field(default_factory=dict)
+    block_reference: dict[str, Sample] = field(default_factory=dict)
+    block_problem: str = ""
+    block_phase: dict[str, str] = field(default_factory=dict)  # model.json's phase of each block
+    sources_named: bool = False  # build.json says the run kept its kernel sources (build.SOURCES)
 
 
 def _sample(raw: Any, path: Path, case: str) -> Sample | None:
@@ -153,13 +176,29 @@ def _load_run(rdir: Path, root: Path) -> RunCases:
             if r is not None:
                 reference[cid] = r
             shipped[cid] = raw.get("shipped") == "tilelang"
-    hashes: dict[str, str] = {}
-    if (rdir / "build.json").exists():
-        build = _read(rdir / "build.json", root)
-        for row in build.get("cases", []) if isinstance(build, dict) else []:
-            h = (row.get("inspect") or {}).get("source_sha256") if isinstance(row, dict) else None
-            if isinstance(h, str) and isinstance(row.get("case"), str):
-                hashes[row["case"]] = h
+    hashes, binaries, named = _build_hashes(rdir / "build.json", root)
+    block: dict[str, Sample] = {}
+    block_ref: dict[str, Sample] = {}
+    block_problem = ""
+    phase: dict[str, str] = {}
+    if (rdir / "model.json").exists():
+        # A model.json the baselines cannot read costs this run's block comparisons (said), not its
+        # kernels': the gate judges the record itself.
+        try:
+            model = _read(rdir / "model.json", root)
+            for cid, raw in (model.get("cases") or {}).items() if isinstance(model, dict) else []:
+                if not isinstance(raw, dict) or "error" in raw:
+                    continue
+                shipped_side = _sample(raw.get("shipped"), rdir / "model.json", cid)
+                framework_side = _sample(raw.get("framework"), rdir / "model.json", cid)
+                if shipped_side is not None:
+                    block[cid] = shipped_side
+                if framework_side is not None:
+                    block_ref[cid] = framework_side
+                if isinstance(raw.get("phase"), str):
+                    phase[cid] = raw["phase"]
+        except EvidenceError as exc:
+            block, block_ref, block_problem = {}, {}, str(exc)
     return RunCases(
         machine=rdir.parent.parent.name,
         commit=rdir.parent.name,
@@ -170,7 +209,43 @@ def _load_run(rdir: Path, root: Path) -> RunCases:
         shipped=shipped,
         source_sha256=hashes,
         env={k: v for k, v in flat_env(run.get("env")).items() if not k.startswith("git.")},
+        binary_sha256=binaries,
+        block=block,
+        block_reference=block_ref,
+        block_problem=block_problem,
+        block_phase=phase,
+        sources_named=named,
     )
+
+
+def _build_hashes(path: Path, root: Path) -> tuple[dict[str, str], dict[str, str], bool]:
+    """(case -> source sha256, case -> cubin sha256, whether the build names its kept sources) from
+    build.json. A record without hashes (older runs) gives none; a hash that is not a sha256, or two
+    rows of one case with different hashes, is inconsistent evidence (EvidenceError naming the key)."""
+    hashes: dict[str, str] = {}
+    binaries: dict[str, str] = {}
+    if not path.exists():
+        return hashes, binaries, False
+    build = _read(path, root)
+    rows = build.get("cases", []) if isinstance(build, dict) else []
+    for i, row in enumerate(rows if isinstance(rows, list) else []):
+        if not isinstance(row, dict) or not isinstance(row.get("case"), str):
+            continue  # the gate's typed read of the judged run names such a row
+        cid, got = row["case"], row.get("inspect")
+        if got is None:
+            continue
+        if not isinstance(got, dict):
+            raise EvidenceError(path, f"cases[{i}] ({cid}): inspect is not an object")
+        for key, into in (("source_sha256", hashes), ("binary_sha256", binaries)):
+            h = got.get(key)
+            if h is None:
+                continue
+            if not isinstance(h, str) or not SHA256.match(h):
+                raise EvidenceError(path, f"cases[{i}] ({cid}): inspect.{key} {str(h)[:40]!r} is not a sha256 digest")
+            if into.setdefault(cid, h) != h:
+                raise EvidenceError(path, f"cases[{i}] ({cid}): inspect.{key} differs from an earlier row's")
+    named = isinstance(build, dict) and build.get("sources") is not None
+    return hashes, binaries, named
 
 
 def _usable(rdir: Path, root: Path) -> bool:
@@ -218,9 +293,29 @@ class History:
         """The newest usable run of the commit that measured the case's kernel."""
         return next((r for r in reversed(self.runs.get(commit, [])) if case in r.kernel), None)
 
+    def blocks(self) -> History:
+        """The same history with each run's model blocks in its kernels' place (the shipped block as
+        the kernel, the eager framework block as the reference): the block is judged by the kernels'
+        rules on its own A/A pairs, never calibrating or calibrated by the kernels'."""
+        view = History(self.root, self.machine, problems=self.problems)
+        view.runs = {c: [_block_view(r) for r in rs] for c, rs in self.runs.items()}
+        return view
+
     def pairs(self, exclude: str = "") -> list[tuple[RunCases, RunCases]]:
         """Same commit, same machine, measured twice: every committed A/A pair (each run with the next)."""
         return [(rs[i], rs[i + 1]) for c, rs in sorted(self.runs.items()) if c != exclude for i in range(len(rs) - 1)]
+
+
+def _block_view(r: RunCases) -> RunCases:
+    # No build hash names a block (it runs several kernels and framework ops): why it moved says so.
+    return replace(
+        r,
+        kernel=r.block,
+        reference=r.block_reference,
+        shipped=dict.fromkeys(r.block, True),
+        source_sha256={},
+        binary_sha256={},
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,24 +420,135 @@ def combined(lat: Verdict, cyc: Verdict | None) -> Label:
     return lat.label
 
 
+Side = Literal["kernel", "reference"]
+
+
+def env_diffs(new: RunCases, old: RunCases, case: str, side: Side = "kernel") -> str:
+    """What differs in the environment of two runs, one phrase each: the recorded stack (ENV_KEYS:
+    driver, torch, cuDNN, cuBLAS, ...), then the side's SM clock and temperature while it was
+    sampled. A key one run did not record is said so (an older record), never read as equal."""
+    diffs = [
+        f"{k} {old.env.get(k, 'unrecorded')} -> {new.env.get(k, 'unrecorded')}"
+        for k in ENV_KEYS
+        if old.env.get(k) != new.env.get(k)
+    ]
+    sn, so = getattr(new, side).get(case), getattr(old, side).get(case)
+    if sn and so and sn.clock_mhz and so.clock_mhz and abs(sn.clock_mhz / so.clock_mhz - 1) > 0.02:
+        diffs.append(f"SM clock {so.clock_mhz:g} -> {sn.clock_mhz:g} MHz")
+    if sn and so and sn.temp_c and so.temp_c and abs(max(sn.temp_c) - max(so.temp_c)) >= 5:
+        diffs.append(f"temperature {max(so.temp_c):g} -> {max(sn.temp_c):g} C")
+    return "; ".join(diffs) if diffs else "nothing recorded differs (noise?)"
+
+
+def _which(new: RunCases, old: RunCases, missing_new: bool) -> str:
+    return f"{new.commit[:8]}/{new.run}" if missing_new else f"{old.commit[:8]}/{old.run}"
+
+
 def why_moved(new: RunCases, old: RunCases, case: str) -> str:
-    """'codegen changed' where the kernel sources differ; 'same binary: environment' with what
-    differs where they are the same; said plainly where the hashes were not recorded."""
+    """Why a case moved, from the builds' hashes. 'codegen changed' where the kernel sources (or,
+    same source, the cubins) differ; 'same binary: environment' with what differs only where both
+    runs recorded both hashes and they are equal. An older run without a hash gives 'no build hash
+    recorded' (fail closed: never 'same binary' on a guess)."""
     hn, ho = new.source_sha256.get(case), old.source_sha256.get(case)
+    env = env_diffs(new, old, case)
     if hn is None or ho is None:
-        which = new.run if hn is None else f"{old.commit[:8]}/{old.run}"
-        return f"cannot tell: run {which} recorded no source hash of {case}"
+        return f"no build hash recorded: run {_which(new, old, hn is None)} has no source hash of {case}; environment: {env}"
     if hn != ho:
         return f"codegen changed: kernel source {ho[:12]} -> {hn[:12]}"
-    diffs = [
-        f"{k} {old.env.get(k, '-')} -> {new.env.get(k, '-')}" for k in ENV_KEYS if old.env.get(k) != new.env.get(k)
+    bn, bo = new.binary_sha256.get(case), old.binary_sha256.get(case)
+    if bn is None or bo is None:
+        return (
+            f"no build hash recorded: same kernel source {hn[:12]}, but run {_which(new, old, bn is None)} has no "
+            f"cubin hash of {case}; environment: {env}"
+        )
+    if bn != bo:  # the compiler or its flags made another binary of the same source
+        return (
+            f"codegen changed: same kernel source {hn[:12]}, cubin {bo[:12]} -> {bn[:12]} (cubins are not kept: "
+            f"no SASS diff); environment: {env}"
+        )
+    return "same binary: environment: " + env
+
+
+# Parsed kept-source archives by (path, mtime, size): a gate reads each once however many cases cite it.
+_SOURCES: dict[tuple[str, int, int], tuple[dict[str, str], dict[str, str]]] = {}
+
+
+def _archive(path: Path, root: Path) -> tuple[dict[str, str], dict[str, str]]:
+    from tilepilot import build
+
+    st = evidence.check_path(path, root)
+    key = (str(path), st.st_mtime_ns, st.st_size)
+    if key not in _SOURCES:
+        try:
+            _SOURCES[key] = build.read_sources(path, evidence.read_bytes(path, root))
+        except ValueError as exc:
+            raise EvidenceError(path, str(exc).removeprefix(f"{path}: ")) from None
+    return _SOURCES[key]
+
+
+def kept_source(run: RunCases, case: str, root: Path) -> tuple[str | None, str]:
+    """(the kernel source the run kept for the case, or None; why not). An older run that kept none
+    is said; an archive that is damaged, missing though build.json names it, or that disagrees with
+    build.json's hash is inconsistent evidence: EvidenceError, which fails the gate."""
+    from tilepilot import build
+
+    path = run.dir / build.SOURCES
+    if not path.exists():
+        if run.sources_named:
+            raise EvidenceError(path, "missing, though build.json names it (sources): the kept kernel sources are lost")
+        return None, f"no source kept (run {run.commit[:8]}/{run.run} predates kept sources)"
+    cases, sources = _archive(path, root)
+    kept, recorded = cases.get(case), run.source_sha256.get(case)
+    if kept is None:
+        return None, f"no source kept of {case} in {run.commit[:8]}/{run.run} (a reused compile whose source was lost)"
+    if kept != recorded:
+        raise EvidenceError(
+            path, f"cases[{case!r}]: kept source {kept[:12]} is not build.json's {(recorded or 'none')[:12]}"
+        )
+    return sources[kept], ""
+
+
+def check_kept(run: RunCases, root: Path) -> list[str]:
+    """The judged run's kept sources against its build.json, every case: a damaged archive, one
+    missing though named, or a hash that disagrees is a problem (the gate fails closed on it)."""
+    from tilepilot import build
+
+    path = run.dir / build.SOURCES
+    if not path.exists():
+        return [f"baselines: {path}: missing, though build.json names it (sources)"] if run.sources_named else []
+    try:
+        cases, _ = _archive(path, root)
+    except EvidenceError as exc:
+        return [f"baselines: {exc}"]
+    return [
+        f"baselines: {path}: cases[{cid!r}]: kept source {h[:12]} is not build.json's "
+        f"{(run.source_sha256.get(cid) or 'none')[:12]}"
+        for cid, h in sorted(cases.items())
+        if run.source_sha256.get(cid) != h
     ]
-    kn, ko = new.kernel.get(case), old.kernel.get(case)
-    if kn and ko and kn.clock_mhz and ko.clock_mhz and abs(kn.clock_mhz / ko.clock_mhz - 1) > 0.02:
-        diffs.append(f"SM clock {ko.clock_mhz:g} -> {kn.clock_mhz:g} MHz")
-    if kn and ko and kn.temp_c and ko.temp_c and abs(max(kn.temp_c) - max(ko.temp_c)) >= 5:
-        diffs.append(f"temperature {max(ko.temp_c):g} -> {max(kn.temp_c):g} C")
-    return "same binary: environment: " + ("; ".join(diffs) if diffs else "nothing recorded differs (noise?)")
+
+
+def safe_name(case: str) -> str:
+    """A case id as one file name: gemm/odd-4097/float16/nt -> gemm__odd-4097__float16__nt."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "__", case)
+
+
+def source_diff(new: RunCases, old: RunCases, case: str, root: Path) -> tuple[str | None, str]:
+    """(the unified diff of the two runs' kernel sources of the case, or None; why there is none).
+    EvidenceError where either run's kept sources are inconsistent (kept_source)."""
+    a, why_a = kept_source(old, case, root)
+    b, why_b = kept_source(new, case, root)
+    if a is None or b is None:
+        return None, why_a or why_b
+    text = "".join(
+        difflib.unified_diff(
+            a.splitlines(keepends=True),
+            b.splitlines(keepends=True),
+            fromfile=f"{old.commit[:12]}/{old.run}/{case}",
+            tofile=f"{new.commit[:12]}/{new.run}/{case}",
+        )
+    )
+    return text, ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,6 +608,9 @@ def baselines(
     return out
 
 
+WHY_DIR = "why"  # the flagged cases' source diffs: <gate out>/why/<device>/<case>.<baseline>.diff
+
+
 def judge_pair(new: Sample, old: Sample, noise: Noise, case: str, *, factor: float, margin: float) -> dict[str, Any]:
     """One kernel comparison as the gate makes it: the combined verdict, its latency and cycles
     verdicts on the case's A/A bands, and where the bands came from (also `tilepilot ab`'s)."""
@@ -429,9 +638,16 @@ def compare_case(
     margin: float,
     window: int,
     release: tuple[str | None, str],
+    diffs: dict[str, str] | None = None,
+    diff_prefix: str = WHY_DIR,
+    problems: list[str] | None = None,
+    hashed: bool = True,
 ) -> dict[str, Any]:
     """One case's comparisons: per baseline the kernel's verdicts (latency, cycles, combined), the
-    reference's (judged apart, never the kernel's), and why it moved where it is not UNCHANGED."""
+    reference's (judged apart, never the kernel's), and why it moved where it is not UNCHANGED. A
+    flagged case whose kernel source changed gets the unified diff of the two kept sources in `diffs`
+    (relative file name -> text), named in its entry ("diff") and its why; kept sources that are
+    inconsistent go to `problems`. `hashed` False: a model block, which no one build hash names."""
     out: dict[str, Any] = {"case": case, "shipped": cur.shipped.get(case, False), "baselines": {}}
     k = cur.kernel[case]
     for base, run in baselines(h, ancestors, case, window, release):
@@ -442,13 +658,75 @@ def compare_case(
             continue
         entry.update(run=run.run, **judge_pair(k, run.kernel[case], noise, case, factor=factor, margin=margin))
         if entry["verdict"] != UNCHANGED:
-            entry["why"] = why_moved(cur, run, case)
-        rn, ro = cur.reference.get(case), run.reference.get(case)
-        if rn is not None and ro is not None:
-            ref = verdict(rn, ro, noise.band(case, "reference")[0], factor, margin)
-            assert ref is not None
-            entry["reference"] = {"label": ref.label, "ratio": ref.ratio}
+            if not hashed:
+                entry["why"] = "a model block (several kernels and framework ops): environment: " + env_diffs(
+                    cur, run, case
+                )
+            else:
+                entry["why"] = why_moved(cur, run, case)
+                _attach_diff(
+                    entry, cur, run, case, h.root, f"{diff_prefix}/{safe_name(case)}.{base.kind}.diff", diffs, problems
+                )
+        ref = _reference(cur, run, case, noise, factor, margin)
+        if ref is not None:
+            entry["reference"] = ref
         out["baselines"][base.kind] = entry
+    return out
+
+
+def _attach_diff(
+    entry: dict[str, Any],
+    cur: RunCases,
+    run: RunCases,
+    case: str,
+    root: Path,
+    rel: str,
+    diffs: dict[str, str] | None,
+    problems: list[str] | None,
+) -> None:
+    """Where the kernel source changed: the diff of the two kept sources, or why there is none."""
+    hn, ho = cur.source_sha256.get(case), run.source_sha256.get(case)
+    if hn is None or ho is None or hn == ho:
+        return
+    try:
+        text, why_not = source_diff(cur, run, case, root)
+    except EvidenceError as exc:
+        entry["why"] += f"; inconsistent evidence: {exc}"
+        if problems is not None:
+            problems.append(f"baselines: {exc}")
+        return
+    if text is None:
+        entry["why"] += f"; {why_not}"
+        return
+    entry["diff"] = rel
+    entry["why"] += f"; diff: {rel}"
+    if diffs is not None:
+        diffs[rel] = text
+
+
+def _reference(
+    cur: RunCases, run: RunCases, case: str, noise: Noise, factor: float, margin: float
+) -> dict[str, Any] | None:
+    """The framework op's own latency against the same baseline, three-way on its own A/A band: a
+    faster or slower cuBLAS/cuDNN moves the kernel's speedup with the kernel unchanged, so it is
+    said as "reference moved", with what differs in its environment, never as the kernel's verdict."""
+    rn, ro = cur.reference.get(case), run.reference.get(case)
+    if rn is None or ro is None:
+        return None
+    band = noise.band(case, "reference")[0]
+    ref = verdict(rn, ro, band, factor, margin)
+    assert ref is not None
+    cyc = verdict(rn, ro, band, factor, margin, normalised=True)
+    out: dict[str, Any] = {
+        "label": ref.label,
+        "ratio": ref.ratio,
+        "threshold": ref.threshold,
+        "band": ref.band,
+        "cycles": None if cyc is None else {"label": cyc.label, "ratio": cyc.ratio},
+    }
+    if ref.label != UNCHANGED:
+        way = "faster" if ref.ratio < 1 else "slower"
+        out["why"] = f"reference moved ({way}): environment: " + env_diffs(cur, run, case, "reference")
     return out
 
 
@@ -471,23 +749,43 @@ def judge_run(
     margin: float,
     window: int,
     release_tag: str,
+    diff_prefix: str = WHY_DIR,
 ) -> dict[str, Any]:
-    """Every measured case of the judged run against its three baselines: the gate's entry point.
-    Returns {"cases": {cid: row}, "noise": ..., "release": ..., "problems": [...]}."""
+    """Every measured case of the judged run against its three baselines, and its model blocks: the
+    gate's entry point. Returns {"cases": {cid: row}, "model": {block id: row}, "release": ...,
+    "problems": [...], "diff_files": {name under diff_prefix: unified diff}} (the caller writes the
+    diffs; gate.json keeps their names)."""
     h = History.load(root, machine)
     try:
         cur = load_run(rdir, root)
     except (EvidenceError, OSError) as exc:  # the gate names the record too; here: no comparison made
         return {"cases": {}, "problems": [f"baselines: {exc}"], "release": None, "aa_pairs": 0, "window": window}
+    problems = [*h.problems, *check_kept(cur, root)]
     noise = calibrate(h.pairs())
     release = release_commit(release_tag, commit, repo)
+    diffs: dict[str, str] = {}
+    opts: dict[str, Any] = {"factor": factor, "margin": margin, "window": window, "release": release}
     rows = {
-        cid: compare_case(h, cur, cid, ancestors, noise, factor=factor, margin=margin, window=window, release=release)
+        cid: compare_case(
+            h, cur, cid, ancestors, noise, diffs=diffs, diff_prefix=diff_prefix, problems=problems, **opts
+        )
         for cid in sorted(cur.kernel)
     }
+    # The model block against the same three baselines, calibrated on the blocks' own A/A pairs.
+    bh = h.blocks()
+    bcur = _block_view(cur)
+    bnoise = calibrate(bh.pairs())
+    model_rows = {
+        cid: {**compare_case(bh, bcur, cid, ancestors, bnoise, hashed=False, **opts), "phase": cur.block_phase.get(cid)}
+        for cid in sorted(bcur.kernel)
+    }
     return {
+        "model": model_rows,
+        "model_aa_pairs": bnoise.pairs,
+        "model_problem": cur.block_problem,
+        "diff_files": diffs,
         "cases": rows,
-        "problems": h.problems,
+        "problems": sorted(set(problems), key=problems.index),
         "release": {"pattern": release_tag, "commit": release[0], "name": release[1]},
         "aa_pairs": noise.pairs,
         "window": window,
@@ -563,15 +861,71 @@ def report_lines(device: str, result: dict[str, Any]) -> list[str]:
         elif kind == "window":
             what = window_what(result)
         lines.append(f"- {kind}: {what or 'none'}: {shown}")
-    refs: dict[str, int] = {}
-    for r in rows.values():
-        ref = r["baselines"].get("previous", {}).get("reference")
-        if ref:
-            refs[ref["label"]] = refs.get(ref["label"], 0) + 1
-    if refs:
-        lines.append(
-            "- the framework reference against the previous commit, judged apart: "
-            + ", ".join(f"{n} {v}" for v, n in sorted(refs.items()))
-        )
+    per_kind = []
+    for kind in KINDS:
+        refs: dict[str, int] = {}
+        for r in rows.values():
+            ref = r["baselines"].get(kind, {}).get("reference")
+            if ref:
+                refs[ref["label"]] = refs.get(ref["label"], 0) + 1
+        if refs:
+            per_kind.append(f"against {kind}: " + ", ".join(f"{n} {v}" for v, n in sorted(refs.items())))
+    if per_kind:
+        lines.append("- the framework reference's own latency, judged apart from the kernel's: " + "; ".join(per_kind))
+    moved = reference_moves(result)
+    lines += [f"  - {m}" for m in moved[:12]]
+    if len(moved) > 12:
+        lines.append(f"  - ... {len(moved) - 12} more (gate.json, each baseline's 'reference')")
+    diffs = diff_links(result)
+    if diffs:
+        lines.append("- source diffs of the flagged cases whose codegen changed:")
+        lines += [f"  - [{cid} against {kind}]({path})" for cid, kind, path in diffs]
     lines.append("")
     return lines
+
+
+def reference_moves(result: dict[str, Any]) -> list[str]:
+    """One line per case and baseline where the framework op itself got slower or faster (REGRESSED
+    or IMPROVED on its own latency), with the kernel's verdict beside it: a speedup that moved
+    because the reference did is said as "reference moved", not as the kernel's doing. The largest
+    moves first: gate.md shows the first few."""
+    out: list[tuple[float, str]] = []
+    for cid, r in sorted(result.get("cases", {}).items()):
+        for kind, b in r["baselines"].items():
+            ref = b.get("reference")
+            if not ref or ref["label"] not in (REGRESSED, IMPROVED):
+                continue
+            line = (
+                f"{cid}: reference moved against the {kind} baseline {b['what']}: the framework op "
+                f"{ref['ratio']:.3f}x its latency ({ref['label']}), the kernel {b['verdict']} "
+                f"({b['latency']['ratio']:.3f}x); {ref.get('why', '')}"
+            )
+            out.append((-abs(math.log(ref["ratio"])), line))
+    return [line for _, line in sorted(out)]
+
+
+def diff_links(result: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(case, baseline kind, diff file) of each flagged case with a source diff."""
+    return sorted(
+        (cid, kind, b["diff"])
+        for cid, r in result.get("cases", {}).items()
+        for kind, b in r["baselines"].items()
+        if b.get("diff")
+    )
+
+
+def block_cells(row: dict[str, Any] | None) -> list[str]:
+    """A model block's comparisons as gate.md's cells: per baseline its verdict and latency ratio (or
+    MISSING), then the eager framework block's own verdict against the previous commit."""
+    if not row:
+        return ["MISSING: not measured in this run"] * len(KINDS) + ["-"]
+    cells = []
+    for kind in KINDS:
+        b = row["baselines"].get(kind)
+        if not b or b["verdict"] == "MISSING":
+            cells.append(f"MISSING ({b['what'].removeprefix('missing: ')})" if b else "MISSING")
+        else:
+            cells.append(f"{b['verdict']} {b['latency']['ratio']:.3f}x ({b['what']})")
+    ref = (row["baselines"].get("previous") or {}).get("reference")
+    cells.append(f"{ref['label']} {ref['ratio']:.3f}x" if ref else "-")
+    return cells

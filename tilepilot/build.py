@@ -14,12 +14,15 @@ re-measure with cold="always".
 from __future__ import annotations
 
 import functools
+import gzip
 import hashlib
 import json
 import os
 import shutil
+import struct
 import time
 import traceback
+import zlib
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
@@ -60,7 +63,117 @@ def inspect_source(src: str, arch: str, case: Case) -> dict[str, Any]:
     }
 
 
+# Sections that describe the build, not the binary: the line table names nvcc's temporary source
+# file, so two builds of one source differ there and nowhere else.
+_DEBUG_SECTIONS = (".debug", ".nv_debug", ".rela.debug", ".rela.nv_debug")
+
+
+def cubin_digest(data: bytes) -> tuple[str, str]:
+    """(sha256, what it covers) of a device binary. For an ELF cubin: its header's machine and flags
+    and every section but the debug ones (name, type, flags, size, bytes), so that a rebuild of the
+    same source is the same binary; anything else (a fatbin, an ELF this cannot walk): the file."""
+    h = hashlib.sha256()
+    try:
+        if data[:5] != b"\x7fELF\x02" or data[5] != 1:  # 64-bit little-endian ELF only
+            raise ValueError("not an ELF64 LE")
+        shoff = struct.unpack_from("<Q", data, 0x28)[0]
+        flags = struct.unpack_from("<I", data, 0x30)[0]
+        shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+        heads = [struct.unpack_from("<IIQQQQIIQQ", data, shoff + n * shentsize) for n in range(shnum)]
+        names_at = heads[shstrndx][4]
+        h.update(data[16:20] + struct.pack("<I", flags))  # e_type, e_machine; e_flags: the arch
+        for name_off, kind, sflags, _, off, size, *_ in heads:
+            end = data.index(b"\0", names_at + name_off)
+            name = data[names_at + name_off : end]
+            if name.decode("ascii", "replace").startswith(_DEBUG_SECTIONS):
+                continue
+            body = b"" if kind == 8 else data[off : off + size]  # SHT_NOBITS holds no bytes
+            if len(body) != (0 if kind == 8 else size):
+                raise ValueError("a section past the end of the file")
+            h.update(name + b"\0" + struct.pack("<IQQ", kind, sflags, size) + body)
+    except (ValueError, struct.error, IndexError):
+        return hashlib.sha256(data).hexdigest(), "file"
+    return h.hexdigest(), "cubin sections less debug info"
+
+
+def binary_digest(cache_dir: Path) -> dict[str, Any]:
+    """The content hash of the device binaries (cubin/fatbin) that TileLang's compile left in a
+    private, empty-at-start cache: its CUDA module holds them but hands them out only as text, so the
+    cache's copy is the readable one. None, said, where the backend keeps none there (HIP)."""
+    blobs = sorted(p for p in cache_dir.glob("*/cuda-binaries/*/kernel.*") if p.is_file())
+    if not blobs:
+        return {"binary_sha256": None, "binary_why": "no device binary in TileLang's cache for this backend"}
+    got = sorted(cubin_digest(p.read_bytes()) for p in blobs)
+    digests, covers = [d for d, _ in got], {w for _, w in got}
+    # One binary: its own hash; several: the hash of their hashes.
+    sha = digests[0] if len(digests) == 1 else hashlib.sha256("\n".join(digests).encode()).hexdigest()
+    return {
+        "binary_sha256": sha,
+        "binary_hash_of": covers.pop() if len(covers) == 1 else "mixed",
+        "binary_bytes": sum(p.stat().st_size for p in blobs),
+        "binary_files": len(blobs),
+    }
+
+
 COLD_INDEX = "tilepilot-cold-compiles.json"
+# Each generated kernel source by its sha256, kept in the run cache so that a run reusing a cold
+# compile can still keep the source it would have generated.
+SOURCE_STORE = "tilepilot-sources"
+# A run's kept kernel sources, beside build.json: {"cases": {id: sha256}, "sources": {sha256: text}}.
+SOURCES = "kernel-sources.json.gz"
+
+
+def _stored_source(path: Path, sha: str) -> str | None:
+    """A source from the run cache's store, only if it is still the text its name hashes: bytes, not
+    read_text (which would turn CRLF into LF and so change the hash)."""
+    try:
+        raw = path.read_bytes()
+    except OSError:
+        return None
+    if hashlib.sha256(raw).hexdigest() != sha:
+        return None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def write_sources(path: Path, sources: dict[str, str], cases: dict[str, str]) -> Path:
+    """Keep the run's generated kernel sources, each distinct one once, gzip'd (mtime 0: the same
+    sources give the same bytes), written atomically."""
+    from tilepilot import record
+
+    body = json.dumps({"kind": "kernel-sources", "schema": 1, "cases": cases, "sources": sources}, sort_keys=True)
+    return record.write_bytes(path, gzip.compress(body.encode("utf-8"), compresslevel=9, mtime=0))
+
+
+SOURCES_MAX_BYTES = 64 * 2**20  # decompressed: a damaged or hostile archive is refused, not inflated
+
+
+def read_sources(path: Path, raw: bytes | None = None) -> tuple[dict[str, str], dict[str, str]]:
+    """(case id -> sha256, sha256 -> source) of a run's kept sources (`raw`: its bytes, read already).
+    Strict, as the writer is this module: a source that does not hash to its key, or a case naming a
+    source the archive lacks, is damage (ValueError naming the file and the key), never skipped."""
+    try:
+        z = zlib.decompressobj(16 + zlib.MAX_WBITS)  # gzip framing
+        body = z.decompress(path.read_bytes() if raw is None else raw, SOURCES_MAX_BYTES + 1)
+        if len(body) > SOURCES_MAX_BYTES or z.unconsumed_tail:
+            raise ValueError(f"{path}: over {SOURCES_MAX_BYTES} bytes decompressed; refused")
+        data = json.loads(body.decode("utf-8"))
+    except (OSError, zlib.error, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"{path}: not a gzip'd JSON of kernel sources ({type(exc).__name__})") from None
+    if not isinstance(data, dict) or data.get("kind") != "kernel-sources":
+        raise ValueError(f"{path}: not a kernel-sources record (kind is not 'kernel-sources')")
+    cases, sources = data.get("cases"), data.get("sources")
+    if not isinstance(cases, dict) or not isinstance(sources, dict):
+        raise ValueError(f"{path}: 'cases' or 'sources' is not an object")
+    for key, text in sources.items():
+        if not isinstance(text, str) or hashlib.sha256(text.encode()).hexdigest() != key:
+            raise ValueError(f"{path}: sources[{key[:16]!r}]: the text does not hash to its key (damaged)")
+    for cid, key in cases.items():
+        if not isinstance(key, str) or key not in sources:
+            raise ValueError(f"{path}: cases[{cid!r}]: names no source the archive holds")
+    return dict(cases), dict(sources)
 
 
 @functools.cache
@@ -113,7 +226,8 @@ def _cold(case: Case, device: str, cache_dir: str, diag_dir: str | None) -> dict
         return out
     out["cold_s"] = time.perf_counter() - t0
     src = kernel.get_kernel_source()
-    out["inspect"] = inspect_source(src, arch, case)
+    out["inspect"] = {**inspect_source(src, arch, case), **binary_digest(Path(cache_dir))}
+    out["source"] = src  # build_all keeps it in the run's sources, not in build.json
     out["status"] = "ok" if out["inspect"]["ok"] else "check-failed"
     return out
 
@@ -165,12 +279,14 @@ def build_all(
     cold: str = "always",
     run: str = "",
     progress: Callable[[str, str, int, int], None] | None = None,
+    keep_sources: Path | None = None,
 ) -> list[dict[str, Any]]:
     """Cold-compile every case (in parallel), then time warm starts; merge caches into run_cache.
 
     cold="changed" reuses the cold-compile figure of a case whose compile_key the run cache has
     already measured (its kernel is in that cache too); "always" measures every case.
-    `progress(phase, case id, done, total)` hears of each case done.
+    `progress(phase, case id, done, total)` hears of each case done. `keep_sources` names the file
+    (SOURCES, in the run folder) that keeps each built case's generated kernel source.
     """
     from tilepilot import record
 
@@ -193,12 +309,15 @@ def build_all(
         shutil.rmtree(d, ignore_errors=True)
     ctx = get_context("spawn")  # fork after torch/CUDA init is unsafe; spawn gives clean processes
     diag = str(work.parent / "diagnostics")  # kept beside the records; work/ is scratch
+    text: dict[str, str] = {}  # the generated sources by sha256
     if todo:
         with ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=ctx, initializer=_init_worker) as pool:
             fresh = pool.map(
                 _cold, [cases[i] for i in todo], [device] * len(todo), [str(dirs[i]) for i in todo], [diag] * len(todo)
             )
             for n, (i, r) in enumerate(zip(todo, fresh, strict=True), 1):
+                if "source" in r:
+                    text[r["inspect"]["source_sha256"]] = r.pop("source")
                 results[i] = {**r, "compile_key": keys[i], "run": run}
                 if progress is not None:
                     progress("cold compile", cases[i].id, n, len(todo))
@@ -227,8 +346,24 @@ def build_all(
             if r["status"] == "ok":
                 index[keys[i]] = {k: v for k, v in r.items() if k not in ("warm_s", "case")}
         record.write_json(run_cache / COLD_INDEX, index)
+        for h, src in text.items():  # for a later run that reuses these cold compiles
+            if not (run_cache / SOURCE_STORE / f"{h}.cu").exists():
+                record.write_text(run_cache / SOURCE_STORE / f"{h}.cu", src)
     for d in dirs.values():
         shutil.rmtree(d, ignore_errors=True)
     for i, j in shared.items():
         done[i] = {**done[j], "case": cases[i].id, "shared_from": cases[j].id}
+    if keep_sources is not None:
+        by_case: dict[str, str] = {}
+        for r in done:
+            sha = (r.get("inspect") or {}).get("source_sha256")
+            if not isinstance(sha, str):
+                continue
+            if sha not in text and run_cache is not None:
+                got = _stored_source(run_cache / SOURCE_STORE / f"{sha}.cu", sha)
+                if got is not None:
+                    text[sha] = got
+            if sha in text:  # a reused compile whose source the cache lost: its hash stands, no text
+                by_case[r["case"]] = sha
+        write_sources(keep_sources, {k: text[k] for k in set(by_case.values())}, by_case)
     return done

@@ -101,6 +101,83 @@ def gpu() -> dict[str, Any]:
     return info
 
 
+def _loaded_library(stem: str) -> str | None:
+    """The path of the shared library `stem` (libcublas) that this process has loaded, from Linux's
+    /proc/self/maps: the one torch uses, not whichever the loader would find first."""
+    try:
+        maps = Path("/proc/self/maps").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+        if Path(path).name.startswith(f"{stem}.so"):
+            return path
+    return None
+
+
+def _cublas_version(path: str) -> str | None:
+    """cuBLAS's major.minor.patch from the loaded library itself (cublasGetProperty needs no GPU)."""
+    import ctypes
+
+    try:
+        get = ctypes.CDLL(path).cublasGetProperty
+    except (OSError, AttributeError):
+        return None
+    parts = []
+    for prop in (0, 1, 2):  # MAJOR_VERSION, MINOR_VERSION, PATCH_LEVEL (library_types.h)
+        value = ctypes.c_int()
+        if get(prop, ctypes.byref(value)) != 0:
+            return None
+        parts.append(str(value.value))
+    return ".".join(parts)
+
+
+def _cublas_wheel() -> tuple[str | None, str | None]:
+    """(version, "wheel <name>") of the nvidia-cublas wheel installed beside torch, or (None, None)."""
+    import importlib.metadata as md
+
+    for dist in md.distributions():
+        try:
+            name = str(dist.metadata["Name"] or "")
+        except KeyError:  # a distribution without a name (a broken install) names nothing
+            continue
+        if name.lower().replace("_", "-").startswith("nvidia-cublas"):
+            return dist.version, f"wheel {name}"
+    return None, None
+
+
+def math_libraries() -> dict[str, Any]:
+    """The versions of cuDNN and cuBLAS that torch loaded: the framework reference runs on them, so
+    a move of the reference is told from a move of the kernel. None, with the reason, where there are
+    none to name (a CPU or ROCm build of torch, a library not loaded)."""
+    try:
+        import torch
+    except ImportError:
+        return {"cudnn": None, "cublas": None, "math_libraries_why": "torch is not installed"}
+    if torch.version.cuda is None:
+        why = "a ROCm build of torch: MIOpen and hipBLAS, not recorded" if torch.version.hip else "a CPU build of torch"
+        return {"cudnn": None, "cublas": None, "math_libraries_why": why}
+    out: dict[str, Any] = {"cudnn": None, "cublas": None}
+    missing = []
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    if cudnn:
+        out["cudnn"] = str(cudnn)
+    else:
+        missing.append("torch has no cuDNN")
+    lib = _loaded_library("libcublas")
+    out["cublas"] = _cublas_version(lib) if lib else None
+    if out["cublas"] is not None:
+        out["cublas_from"] = lib
+    else:
+        # Not loaded yet, or silent: the wheel torch depends on says which cuBLAS it would load.
+        out["cublas"], out["cublas_from"] = _cublas_wheel()
+    if out["cublas"] is None:
+        missing.append("no cuBLAS loaded that answers cublasGetProperty, and no nvidia-cublas wheel")
+    if missing:
+        out["math_libraries_why"] = "; ".join(missing)
+    return out
+
+
 @functools.cache
 def capture() -> dict[str, Any]:
     import importlib.metadata as md
@@ -118,6 +195,7 @@ def capture() -> dict[str, Any]:
         torch_info.update(cuda=torch.version.cuda, hip=getattr(torch.version, "hip", None))
     except ImportError:
         pass
+    torch_info.update(math_libraries())
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),

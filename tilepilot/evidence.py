@@ -256,14 +256,27 @@ class RunRecord(Header):
     allow_unpinned: bool = False
 
 
+# A content hash as the build records it: 64 lowercase hex digits, nothing else passes for one.
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class BuildInspect(_View):
+    """What the build says it made: the hashes "why it moved" compares (absent in older records)."""
+
+    source_sha256: Sha256 | None = None
+    binary_sha256: Sha256 | None = None
+
+
 class BuildCase(_View):
     case: str
     status: str
+    inspect: BuildInspect | None = None
 
 
 class BuildRecord(Header):
     kind: Literal["build"]
     cases: list[BuildCase]
+    sources: str | None = None  # the kept kernel sources' file in the run folder (newer records)
 
 
 class TrialKernel(_View):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import shutil
 import subprocess
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -496,6 +497,7 @@ class Gate:
     all_cases: list[cases.Case] = field(default_factory=list)  # the matrix's, expanded once
     same_code: list[str] = field(default_factory=list)  # later commits that changed no code (_same_code)
     unjudged: list[str] = field(default_factory=list)  # kernels the commit could ship unmeasured (_unjudged)
+    diffs: dict[str, str] = field(default_factory=dict)  # the flagged cases' source diffs, by file name
 
     def __post_init__(self) -> None:
         self.all_cases = self.all_cases or cases.expand(self.mx)
@@ -1086,7 +1088,7 @@ def check_device(g: Gate, device: str) -> dict[str, Any]:
         verdict["operators"][op] = _operator(g, op, j, run, asv_cur, am)
     verdict["model"] = _model(g, j, asv_cur)
     verdict["fallback"] = _fallback(g, j)
-    verdict["comparisons"] = _comparisons(g, run, verdict["operators"])
+    verdict["comparisons"] = _comparisons(g, run, verdict["operators"], device)
     j.problems += verdict["comparisons"]["problems"]  # a history record the baselines could not read
     if am is not None:
         j.problems += am.problems  # the asv files read, the baselines' included
@@ -1115,9 +1117,18 @@ def _images(mx: matrix.Matrix, devices: list[dict[str, Any]]) -> None:
             d["image_problems"] = [f"image (warning): not reproducible ({', '.join(why)}): {fix}"]
 
 
-def _comparisons(g: Gate, run: Run, ops: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _write_diffs(where: Path, diffs: dict[str, str]) -> None:
+    """The flagged cases' source diffs under where/why/<device>/, each written whole (atomically); an
+    earlier verdict's are removed first, so none is taken for this commit's."""
+    shutil.rmtree(where / baselines.WHY_DIR, ignore_errors=True)
+    for rel, text in sorted(diffs.items()):
+        record.write_text(where / rel, text)
+
+
+def _comparisons(g: Gate, run: Run, ops: dict[str, dict[str, Any]], device: str) -> dict[str, Any]:
     """The release manager's three baselines (tilepilot.baselines): a shipped case that REGRESSED
-    fails its operator, one AMBIGUOUS is a warning; each missing baseline is said in the result."""
+    fails its operator, one AMBIGUOUS is a warning; each missing baseline is said in the result. The
+    source diffs of flagged cases go to g.diffs (gate() writes them beside gate.md and the page)."""
     gc = g.mx.gate
     result = baselines.judge_run(
         g.root,
@@ -1130,7 +1141,9 @@ def _comparisons(g: Gate, run: Run, ops: dict[str, dict[str, Any]]) -> dict[str,
         margin=gc.aa_margin,
         window=gc.window,
         release_tag=gc.release_tag,
+        diff_prefix=f"{baselines.WHY_DIR}/{baselines.safe_name(device)}",
     )
+    g.diffs.update(result.pop("diff_files", {}))
     for op, (problems, warnings) in baselines.effects(result).items():
         if op not in ops:
             continue
@@ -1231,7 +1244,14 @@ def _report(commit: str, ok: bool, devices: list[dict[str, Any]], ops: list[str]
                 "",
                 f"## {d['device']} model-level block",
                 "",
-                tabulate(sorted(d["model"]["shapes"].items()), headers=["block", "verdict"], tablefmt="github"),
+                tabulate(
+                    [
+                        [key, line, *baselines.block_cells((d.get("comparisons") or {}).get("model", {}).get(key))]
+                        for key, line in sorted(d["model"]["shapes"].items())
+                    ],
+                    headers=["block", "verdict", *(f"vs {k}" for k in baselines.KINDS), "framework block vs previous"],
+                    tablefmt="github",
+                ),
                 "",
             ]
         for p in (
@@ -1307,6 +1327,8 @@ def gate(
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         # Each file lands whole (a temp file, then a rename); both carry the commit and the verdict.
+        # The diffs first: gate.json and gate.md name them, so they are there when the verdict is.
+        _write_diffs(out_dir, g.diffs)
         record.write_json(out_dir / "gate.json", {"commit": commit, "pass": ok, "devices": devices})
         record.write_text(out_dir / "gate.md", "\n".join(lines))
     except OSError as exc:
@@ -1316,6 +1338,7 @@ def gate(
     # The release manager's page (html/release/index.html unless named): the same verdict, drawn.
     page_dir = page_dir or paths.current().html / "release"
     try:
+        _write_diffs(page_dir, g.diffs)  # the page links them relative to itself: it works when served alone
         page = release_page.write(page_dir, {"commit": commit, "pass": ok, "devices": devices}, mx, root, g.ancestors)
     except OSError as exc:
         raise UserError(

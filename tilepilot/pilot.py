@@ -274,7 +274,15 @@ def step_build(run: Run, prev: dict[str, Any]) -> BuildResult:
 
     try:
         results = build.build_all(
-            sel, run.device, run.dir / "build-work", run.cache, run.workers, cold=run.cold, run=run.rid, progress=done
+            sel,
+            run.device,
+            run.dir / "build-work",
+            run.cache,
+            run.workers,
+            cold=run.cold,
+            run=run.rid,
+            progress=done,
+            keep_sources=run.dir / build.SOURCES,
         )
     finally:
         run.timings["build_s"] = prog.close()
@@ -299,7 +307,14 @@ def step_build(run: Run, prev: dict[str, Any]) -> BuildResult:
             )
     record.write_json(
         run.dir / "build.json",
-        {**run.header("build"), "cases": results, "complete": True, "seconds": run.timings["build_s"]},
+        # "sources" names the kept kernel sources: a gate that finds it missing fails closed.
+        {
+            **run.header("build"),
+            "cases": results,
+            "sources": build.SOURCES,
+            "complete": True,
+            "seconds": run.timings["build_s"],
+        },
     )
     reused = sum(1 for r in results if "cold_reused_from" in r)
     say(

@@ -73,12 +73,17 @@ def write_json(path: Path, obj: Any) -> Path:
 def write_text(path: Path, text: str) -> Path:
     """Write atomically: a temp file in the same folder (a dot-name no reader takes for a record),
     fsync, rename. A reader sees the old file or the new one, never half of one."""
+    return write_bytes(path, text.encode("utf-8"))
+
+
+def write_bytes(path: Path, data: bytes) -> Path:
+    """write_text's atomic write, of bytes (a gzip'd record)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), 0o666 & ~_UMASK)  # mkstemp's 0600 would hide a shared history from its readers
-            f.write(text)
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -284,32 +284,111 @@ def _device_section(
     out.append(history_plots(root, d["machine"], d["commit"], ancestors, rel.get("commit"), ops))
     for op in ops:
         out.append(histogram(f"{d['device']} {op}: per-case speedup", _speedups(root, d, op)))
-    out.append("<h3>Model block per phase</h3><table class='model'><tr><th>block</th><th>verdict</th></tr>")
-    # Ids sort prefill ("llama-block-") before decode ("llama-decode-"), the phases' order.
-    for key, line in sorted((d.get("model") or {}).get("shapes", {}).items()):
-        cls = "FAIL" if str(line).startswith("FAIL") else "PASS"
-        out.append(f'<tr><td><code>{_e(key)}</code></td><td class="{cls}">{_e(line)}</td></tr>')
+    out += _model_table(d, cmp)
     out.append(
-        "</table><h3>Flagged and moved cases</h3><table class='cases'><tr><th>case</th><th>shipped</th>"
+        "<h3>Flagged and moved cases</h3><table class='cases'><tr><th>case</th><th>shipped</th>"
         "<th>baseline</th><th>verdict</th><th>latency</th><th>cycles</th><th>reference</th><th>why</th>"
-        "<th>asv</th></tr>"
+        "<th>diff</th><th>asv</th></tr>"
     )
     for cid, r in sorted(rows.items()):
         for kind, b in r["baselines"].items():
             if b["verdict"] in ("UNCHANGED", "MISSING"):
                 continue
             link = asv_link(mx, d["machine"], cid, sx)
+            # The gate writes the diff beside the page too (why/<device>/...), so the link is relative.
+            diff = f'<a class="diff" href="{_e(b["diff"])}">source diff</a>' if b.get("diff") else "-"
             out.append(
                 f"<tr><td><code>{_e(cid)}</code></td><td>{'yes' if r['shipped'] else 'no'}</td><td>{_e(kind)}: "
                 f'{_e(b["what"])}</td><td class="{_e(b["verdict"])}">{_e(b["verdict"])}</td>'
                 f"<td>{b['latency']['ratio']:.3f}x</td>"
                 f"<td>{'-' if not b.get('cycles') else format(b['cycles']['ratio'], '.3f') + 'x'}</td>"
                 f"<td>{_e((b.get('reference') or {}).get('label', '-'))}</td><td>{_e(b.get('why', ''))}</td>"
+                f"<td>{diff}</td>"
                 f"<td>{f'<a class=asv href={chr(34)}{_e(link)}{chr(34)}>graph</a>' if link else '-'}</td></tr>"
             )
-    out.append("</table><h3>Environment of the judged run</h3><table class='env'>")
+    out.append("</table>")
+    out += _reference_table(cmp)
+    out.append("<h3>Environment of the judged run</h3><table class='env'>")
     out += [f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in sorted((cmp.get("env") or {}).items())]
     out.append("</table></section>")
+    return out
+
+
+def _verdict_cell(b: dict[str, Any] | None) -> str:
+    """One baseline's verdict with its latency ratio (or why it is missing), as a table cell."""
+    if not b:
+        return '<td class="MISSING">MISSING</td>'
+    if b["verdict"] == "MISSING":
+        return f'<td class="MISSING">MISSING: {_e(b["what"].removeprefix("missing: "))}</td>'
+    return (
+        f'<td class="{_e(b["verdict"])}">{_e(b["verdict"])} {b["latency"]["ratio"]:.3f}x '
+        f"<small>vs {_e(b['what'])}</small></td>"
+    )
+
+
+def _model_table(d: dict[str, Any], cmp: dict[str, Any]) -> list[str]:
+    """The model block per phase (model.json's), phases in the order their ids sort: the gate's line,
+    the shipped block's latency against each of the three baselines, and the eager framework block's
+    own (judged apart) against the previous commit."""
+    blocks = cmp.get("model") or {}
+    shapes = sorted((d.get("model") or {}).get("shapes", {}).items())
+    phases: dict[str, list[tuple[str, Any]]] = {}
+    for key, line in shapes:
+        phases.setdefault(str((blocks.get(key) or {}).get("phase") or "unrecorded"), []).append((key, line))
+    head = "".join(f"<th>against {k}</th>" for k in baselines.KINDS)
+    out = ["<h3>Model block per phase</h3>"]
+    for phase, rows in phases.items():
+        out.append(
+            f"<h4>{_e(phase)}</h4><table class='model' data-phase='{_e(phase)}'><tr><th>block</th><th>verdict</th>"
+            f"{head}<th>framework block against previous</th></tr>"
+        )
+        for key, line in rows:
+            cls = "FAIL" if str(line).startswith("FAIL") else "PASS"
+            row = (blocks.get(key) or {}).get("baselines", {})
+            ref = (row.get("previous") or {}).get("reference")
+            out.append(
+                f'<tr><td><code>{_e(key)}</code></td><td class="{cls}">{_e(line)}</td>'
+                + "".join(_verdict_cell(row.get(k)) for k in baselines.KINDS)
+                + (
+                    f'<td class="{_e(ref["label"])}">{_e(ref["label"])} {ref["ratio"]:.3f}x</td>'
+                    if ref
+                    else "<td>-</td>"
+                )
+                + "</tr>"
+            )
+        out.append("</table>")
+    if not phases:
+        out.append("<p class='MISSING'>no model block in the judged run</p>")
+    if cmp.get("model_problem"):
+        out.append(f"<p class='MISSING'>model block not compared: {_e(cmp['model_problem'])}</p>")
+    out.append(f"<p>The blocks' thresholds: {_e(cmp.get('model_aa_pairs', 0))} A/A pairs of the blocks.</p>")
+    return out
+
+
+def _reference_table(cmp: dict[str, Any]) -> list[str]:
+    """The framework reference's own latency history, judged apart from the kernel's: where it moved,
+    a speedup that moved with it is the reference's doing."""
+    rows = cmp.get("cases", {})
+    out = [
+        "<h3>Reference moved: the framework op, judged apart</h3><table class='reference'><tr><th>case</th>"
+        "<th>baseline</th><th>reference</th><th>kernel</th><th>environment</th></tr>"
+    ]
+    n = 0
+    for cid, r in sorted(rows.items()):
+        for kind, b in r["baselines"].items():
+            ref = b.get("reference")
+            if not ref or ref["label"] not in ("REGRESSED", "IMPROVED"):
+                continue
+            n += 1
+            out.append(
+                f"<tr><td><code>{_e(cid)}</code></td><td>{_e(kind)}: {_e(b['what'])}</td>"
+                f'<td class="{_e(ref["label"])}">{_e(ref["label"])} {ref["ratio"]:.3f}x</td>'
+                f'<td class="{_e(b["verdict"])}">{_e(b["verdict"])} {b["latency"]["ratio"]:.3f}x</td>'
+                f"<td>{_e(ref.get('why', ''))}</td></tr>"
+            )
+    if not n:
+        out.append("<tr><td colspan='5'>the framework reference moved against no baseline</td></tr>")
+    out.append("</table>")
     return out
 
 
