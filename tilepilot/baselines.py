@@ -158,6 +158,16 @@ def load_run(rdir: Path, root: Path) -> RunCases:
     return _CACHE[key]
 
 
+def _cases(data: Any, path: Path) -> list[tuple[str, Any]]:
+    """A record's `cases` table as (id, entry) pairs; any other shape is this file's problem."""
+    cases = data.get("cases") if isinstance(data, dict) else None
+    if cases is None:
+        return []
+    if not isinstance(cases, dict):
+        raise EvidenceError(path, f"'cases' is a {type(cases).__name__}, not a table of cases")
+    return list(cases.items())
+
+
 def _load_run(rdir: Path, root: Path) -> RunCases:
     run = _read(rdir / "run.json", root)
     if not isinstance(run, dict):
@@ -166,8 +176,7 @@ def _load_run(rdir: Path, root: Path) -> RunCases:
     reference: dict[str, Sample] = {}
     shipped: dict[str, bool] = {}
     for f in sorted(p for p in rdir.glob("measure-*.json")):
-        data = _read(f, root)
-        for cid, raw in (data.get("cases") or {}).items() if isinstance(data, dict) else []:
+        for cid, raw in _cases(_read(f, root), f):
             if not isinstance(raw, dict) or "error" in raw:
                 continue
             k, r = _sample(raw.get("kernel"), f, cid), _sample(raw.get("reference"), f, cid)
@@ -185,8 +194,7 @@ def _load_run(rdir: Path, root: Path) -> RunCases:
         # A model.json the baselines cannot read costs this run's block comparisons (said), not its
         # kernels': the gate judges the record itself.
         try:
-            model = _read(rdir / "model.json", root)
-            for cid, raw in (model.get("cases") or {}).items() if isinstance(model, dict) else []:
+            for cid, raw in _cases(_read(rdir / "model.json", root), rdir / "model.json"):
                 if not isinstance(raw, dict) or "error" in raw:
                     continue
                 shipped_side = _sample(raw.get("shipped"), rdir / "model.json", cid)
