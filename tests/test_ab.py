@@ -168,7 +168,9 @@ def test_ab_of_two_gpu_sides_that_agree_is_safe_and_moves_the_pin(h200: Path, tm
     assert rep["sides"]["base"]["machine"] == MACHINE and rep["sides"]["new"]["stack"]["tilelang"] == NEW
     rows = {c["case"]: c for c in rep["cases"]}
     assert rows[SHIPPED]["correctness"] == {"base": "passed", "new": "passed", "why": {"base": "", "new": ""}}
-    assert rows[SHIPPED]["warm"]["label"] == "UNCHANGED" and rows[SHIPPED]["codegen"] == "same"
+    assert (
+        rows[SHIPPED]["warm"]["label"] == "UNCHANGED" and rows[SHIPPED]["codegen"] == "same source"
+    )  # no cubin hash then
     assert rep["model"] and all(m["warm"]["label"] == "UNCHANGED" for m in rep["model"])
     assert "SAFE TO UPGRADE" in (out / report.name.replace(".json", ".md")).read_text()
     # The pin moves on that report (at its code commit), the report's path in the comment above it.
@@ -252,6 +254,126 @@ def test_malformed_candidate_records_block_with_a_line(h200: Path, tmp_path: Pat
     blocking = json.loads(report.read_text())["blocking"]
     assert any("model.json: no cases" in b for b in blocking), blocking
     assert any("run.json: no environment capture" in b for b in blocking), blocking
+
+
+def _every_record(side: Path, change: Callable[[dict[str, Any]], Any]) -> None:
+    for f in side.glob("*.json"):
+        edit(f, lambda d: change(d) if isinstance(d.get("env"), dict) else None)
+
+
+def _other_commit(d: dict[str, Any]) -> None:
+    d["commit"] = PREVIOUS
+    d["env"]["git"]["commit"] = PREVIOUS
+
+
+def _twice(d: dict[str, Any]) -> None:
+    (row,) = [r for r in d["cases"] if r["case"] == BROKEN]
+    d["cases"].insert(0, {**row, "status": "failed"})
+
+
+def _unpinned(d: dict[str, Any]) -> None:
+    d.update(allow_unpinned=True, unpinned=["driver 535.54.03 < pinned 580"])
+
+
+@pytest.mark.parametrize(
+    ("what", "change", "needle"),
+    [
+        ("another commit's records", lambda side: _every_record(side, _other_commit), f"commit '{PREVIOUS}'"),
+        (
+            "another device's records",
+            lambda side: _every_record(side, lambda d: d.update(device="sm80")),
+            "device 'sm80'",
+        ),
+        (
+            "another GPU",
+            lambda side: _every_record(side, lambda d: d["env"]["gpu"].update(name="AMD Instinct MI300X")),
+            "MI300X",
+        ),
+        ("a case recorded twice", lambda side: edit(side / "correctness.json", _twice), f"{BROKEN} recorded twice"),
+        (
+            "a partial measure file",
+            lambda side: edit(side / "measure-gemm.json", lambda d: d.update(complete=False)),
+            "complete",
+        ),
+        (
+            "a measure file of another op",
+            lambda side: edit(side / "measure-gemm.json", lambda d: d.update(op="attention")),
+            "operator 'attention'",
+        ),
+        ("--allow-unpinned", lambda side: edit(side / "run.json", _unpinned), "--allow-unpinned"),
+    ],
+)
+def test_a_side_is_held_to_what_the_gate_holds_a_release_run_to(
+    h200: Path, tmp_path: Path, what: str, change: Callable[[Path], None], needle: str
+) -> None:
+    """Records the gate would refuse never make SAFE: the candidate side checked like a release run
+    (its identity, its GPU, each case once, complete files, the pins but for its own stack)."""
+    change(off_pin_copy(h200, f"{MACHINE}__tilelang-{NEW}"))
+    out = tmp_path / "ab"
+    r = tilepilot(
+        *("ab", "--device", "sm90", "--tilelang", f"{BASE},{NEW}", "--commit", COMMIT),
+        *("--results", str(h200), "--out", str(out)),
+    )
+    assert r.returncode == 1, what + ": " + r.stdout + r.stderr
+    (report,) = out.glob("*.json")
+    rep = json.loads(report.read_text())
+    assert rep["verdict"] == ab.BLOCKED and any(needle in b for b in rep["blocking"]), (what, rep["blocking"])
+
+
+def test_a_model_block_on_neither_side_blocks(h200: Path, tmp_path: Path) -> None:
+    side = off_pin_copy(h200, f"{MACHINE}__tilelang-{NEW}")
+    gone = sorted(json.loads((side / "model.json").read_text())["cases"])[0]
+    for rdir in (side, h200 / "records" / MACHINE / COMMIT / NEWEST):
+        edit(rdir / "model.json", lambda d: d["cases"].pop(gone))
+    out = tmp_path / "ab"
+    r = tilepilot(
+        *("ab", "--device", "sm90", "--tilelang", f"{BASE},{NEW}", "--commit", COMMIT),
+        *("--results", str(h200), "--out", str(out)),
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    (report,) = out.glob("*.json")
+    assert f"{gone}: the model block is not measured on either side" in json.loads(report.read_text())["blocking"]
+
+
+def test_pin_stack_refuses_a_report_judged_by_other_rules(h200: Path, tmp_path: Path) -> None:
+    """A SAFE report moves the pin only of a matrix with the rules it was judged by: its regression
+    factor and A/A margin, and the commit's cases."""
+    off_pin_copy(h200, f"{MACHINE}__tilelang-{NEW}")
+    out = tmp_path / "ab"
+    r = tilepilot(
+        *("ab", "--device", "sm90", "--tilelang", f"{BASE},{NEW}", "--commit", COMMIT),
+        *("--results", str(h200), "--out", str(out)),
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    (report,) = out.glob("*.json")
+    other = tmp_path / "other.toml"
+    other.write_text((ROOT / "matrix.toml").read_text().replace("regression_factor = ", "regression_factor = 3.0 #", 1))
+    assert matrix.load(other).gate.regression_factor == 3.0
+    before = other.read_text()
+    with pytest.raises(ab.UserError, match=r"regression_factor 1\.1 \(here 3\.0\)"):
+        ab.pin_stack("sm90", {"tilelang": NEW}, report, other, rev=COMMIT)
+    assert other.read_text() == before
+    rep = json.loads(report.read_text())
+    rep["expected_cases_sha256"] = ab.expected_digest(["gemm/odd-4097/float16/nt"])  # judged on one case
+    report.write_text(json.dumps(rep))
+    mpath = tmp_path / "matrix.toml"
+    shutil.copy2(ROOT / "matrix.toml", mpath)
+    with pytest.raises(ab.UserError, match="another set of expected cases"):
+        ab.pin_stack("sm90", {"tilelang": NEW}, report, mpath, rev=COMMIT)
+    assert mpath.read_text() == (ROOT / "matrix.toml").read_text()
+
+
+def test_a_torch_ab_lets_the_wheels_libraries_move() -> None:
+    env = {"torch": {"version": "2.11.0", "cuda": "13.0", "cudnn": 91300, "cublas": "13.1.0.3"}, "tilelang": BASE}
+    new = {"torch": {"version": "2.12.0", "cuda": "13.0", "cudnn": 91400, "cublas": "13.1.2.1"}, "tilelang": BASE}
+    a = ab.Side(MACHINE, {}, Path("a"), run={"env": env})
+    b = ab.Side(MACHINE, {}, Path("b"), run={"env": new})
+    assert ab.confounders(a, b, {"torch": "2.11.0 -> 2.12.0"}) == []
+    assert ab.confounders(a, b, {"tilelang": f"{BASE} -> {NEW}"}) == [
+        "torch.version 2.11.0 -> 2.12.0",
+        "torch.cudnn 91300 -> 91400",
+        "torch.cublas 13.1.0.3 -> 13.1.2.1",
+    ]
 
 
 def test_bad_input_is_one_line(tmp_path: Path) -> None:
@@ -545,7 +667,8 @@ def test_two_tilelang_releases_compile_only(tmp_path: Path, ab_cache: Path) -> N
         assert row["correctness"]["new"] == ab.NO_EVIDENCE
         assert row["cold_s"]["ratio"] == pytest.approx(b["cold_s"] / a["cold_s"])
         same = a["inspect"]["source_sha256"] == b["inspect"]["source_sha256"]
-        assert row["codegen"] == ("same" if same else "changed")
+        both_bins = bool(a["inspect"].get("binary_sha256") and b["inspect"].get("binary_sha256"))
+        assert row["codegen"] == (("same" if both_bins else "same source") if same else "changed")
     md = (out / report.name.replace(".json", ".md")).read_text()
     assert f"generated code changed in {len(rep['codegen_changed'])} of 4 cases" in md
     assert "# A/B of two stacks, sm90: BLOCKED" in md and f"tilelang {BASE} -> {NEW}" in md

@@ -73,9 +73,18 @@ def _rows(data: Any, path: Path, kind: str) -> dict[str, dict[str, Any]]:
     return {r["case"]: r for r in rows}
 
 
-def load_side(root: Path, machine: str, rdir: Path, full: dict[str, str], keys: tuple[str, ...] = stack.KEYS) -> Side:
+def load_side(
+    root: Path,
+    machine: str,
+    rdir: Path,
+    full: dict[str, str],
+    keys: tuple[str, ...] = stack.KEYS,
+    *,
+    strict: Strict | None = None,
+) -> Side:
     """A side's records. Each one that is missing, partial or unreadable is a problem of the side
-    (named by file), never a reason to stop: the report says all of them."""
+    (named by file), never a reason to stop: the report says all of them. `strict`: the device and
+    commit the side must be, checked as the gate checks a release run (a GPU side only)."""
     side = Side(machine, full, rdir, keys=keys)
 
     def read(name: str, kind: str) -> dict[str, Any] | None:
@@ -94,8 +103,9 @@ def load_side(root: Path, machine: str, rdir: Path, full: dict[str, str], keys: 
     side.run = run or {}
     if run is not None:
         if run.get("failed"):
-            why = (run.get("failures") or ["no reason recorded"])[0]
-            side.problems.append(f"{rdir / 'run.json'}: the pilot reported failure ({why})")
+            failures = run.get("failures")
+            why = failures[0] if isinstance(failures, list) and failures else "no reason recorded"
+            side.problems.append(f"{rdir / 'run.json'}: the pilot reported failure ({why!s:.200})")
         if run.get("injected"):
             side.problems.append(f"{rdir / 'run.json'}: a fault-injection run ({run['injected']}), no evidence")
         git = run["env"].get("git")
@@ -134,7 +144,37 @@ def load_side(root: Path, machine: str, rdir: Path, full: dict[str, str], keys: 
             side.model = rows
         elif model is not None:
             side.problems.append(f"{rdir / 'model.json'}: no cases (an object of blocks)")
+        if strict is not None:
+            side.problems += strict.problems(root, machine, rdir, full)
     return side
+
+
+@dataclass(frozen=True)
+class Strict:
+    """What a GPU side must be, as the gate holds a release run to it: every record of this commit,
+    device, machine and run, on a GPU of the device, from a clean tree, complete, each case once,
+    on the pins but for the side's own stack, not --allow-unpinned."""
+
+    device: str
+    commit: str
+    row: matrix.Device
+    ops: tuple[str, ...]
+    want_model: bool
+
+    def problems(self, root: Path, machine: str, rdir: Path, full: dict[str, str]) -> list[str]:
+        from tilepilot import gate
+
+        # The side's own stack stands in for the pins it was made to differ in.
+        row = self.row.model_copy(update={k: full[k] for k in ("tilelang", "torch") if k in full})
+        j = gate.load_run(root, gate.Run(machine, rdir), self.device, self.commit, row, list(self.ops), self.want_model)
+        out = list(j.problems)
+        if j.corr is not None:
+            seen: set[str] = set()
+            for r in j.corr.cases:
+                if r.case in seen:
+                    out.append(f"correctness: {rdir / 'correctness.json'}: {r.case} recorded twice")
+                seen.add(r.case)
+        return out
 
 
 def _parse_pair(flag: str, text: str | None) -> tuple[str, str] | None:
@@ -263,7 +303,9 @@ def _warm(
 
 
 # What two sides may differ in besides the keys the A/B names: torch's CUDA build follows torch.
-_FOLLOWS = {"tilelang": ("tilelang",), "torch": ("torch.version", "torch.cuda"), "cuda": ("torch.cuda",)}
+# The wheel brings its own cuDNN and cuBLAS, so they move with torch or its CUDA (and are reported).
+_LIBS = ("torch.cudnn", "torch.cublas")
+_FOLLOWS = {"tilelang": ("tilelang",), "torch": ("torch.version", "torch.cuda", *_LIBS), "cuda": ("torch.cuda", *_LIBS)}
 
 
 def confounders(a: Side, b: Side, changes: dict[str, str]) -> list[str]:
@@ -338,8 +380,14 @@ def compare(
         if _finite_pos(c0) and _finite_pos(c1):
             row["cold_s"]["ratio"] = c1 / c0
         ha, hb = (((x or {}).get("inspect") or {}).get("source_sha256") for x in (ba, bb))
-        row["codegen"] = "unknown" if not (ha and hb) else ("same" if ha == hb else "changed")
+        ca_, cb_ = (((x or {}).get("inspect") or {}).get("binary_sha256") for x in (ba, bb))
+        if (ha and hb and ha != hb) or (ca_ and cb_ and ca_ != cb_):
+            row["codegen"] = "changed"  # the source, or the same source compiled to another cubin
+        else:
+            # "same source": no cubin hash on a side (older records, or a backend that keeps none).
+            row["codegen"] = "unknown" if not (ha and hb) else "same" if ca_ and cb_ else "same source"
         row["source_sha256"] = {"base": ha, "new": hb}
+        row["binary_sha256"] = {"base": ca_, "new": cb_}
         ka = a.cases.kernel.get(cid) if a.cases else None
         kb = b.cases.kernel.get(cid) if b.cases else None
         shipped = bool((a.cases and a.cases.shipped.get(cid)) or (b.cases and b.cases.shipped.get(cid)))
@@ -396,6 +444,13 @@ def compare(
     return rows, models, block, warn
 
 
+def expected_digest(ids: list[str]) -> str:
+    """What the report held every side to, as one hash: the matrix's case ids, sorted."""
+    import hashlib
+
+    return hashlib.sha256("\n".join(sorted(ids)).encode()).hexdigest()
+
+
 def report(
     device: str,
     commit: str,
@@ -408,11 +463,16 @@ def report(
     margin: float,
     expected: list[str] | None = None,
     built_only: frozenset[str] = frozenset(),
+    expected_blocks: list[str] | None = None,
 ) -> dict[str, Any]:
     """The report's JSON: both sides, every case and block, what blocks and what warns, the verdict."""
     rows, models, block, warn = compare(
         a, b, noise, factor=factor, margin=margin, expected=expected, changes=changes, built_only=built_only
     )
+    if expected_blocks is not None and a.gpu_run and b.gpu_run:
+        for key in expected_blocks:  # a block the matrix asks for, absent from both sides, is no evidence
+            if key not in (a.model or {}) and key not in (b.model or {}):
+                block.append(f"{key}: the model block is not measured on either side")
     side = {
         s: {
             "machine": x.machine,
@@ -433,6 +493,7 @@ def report(
         "sides": side,
         "regression_factor": factor,
         "aa_margin": margin,
+        "expected_cases_sha256": expected_digest(expected or []),
         "aa_pairs": noise.pairs,
         "cases": rows,
         "model": models,
@@ -554,11 +615,12 @@ def run(
     except EvidenceError as exc:  # a tree that cannot be searched is bad input, named by its file
         raise UserError(f"--results {root}: {exc}") from None
     keys = tuple(k for k in stack.KEYS if k in pairs)
-    a, b = load_side(root, ma, da, fa, keys), load_side(root, mb, db, fb, keys)
+    ran = _commit_matrix(mx, commit, matrix_path)
+    strict = Strict(device, commit, row, tuple(ran.operators), "model" in ran.pilot.metrics)
+    a, b = (load_side(root, m_, d_, f_, keys, strict=strict) for m_, d_, f_ in ((ma, da, fa), (mb, db, fb)))
     # The A/A bands of the device's pinned machine: the noise of this host, whichever stack it ran.
     hist = baselines.History.load(root, stack.split(ma)[0])
     noise = baselines.calibrate(hist.pairs())
-    ran = _commit_matrix(mx, commit, matrix_path)
     expected = [c.id for c in cases.expand(ran)]
     block_kernels = frozenset(c.id for c in blockspec.model_kernel_cases(ran)) - set(expected)
     rep = report(
@@ -572,6 +634,7 @@ def run(
         margin=mx.gate.aa_margin,
         expected=expected,
         built_only=block_kernels,
+        expected_blocks=blockspec.model_ids(ran) if strict.want_model else None,
     )
     rep["problems_reading_history"] = hist.problems
     out_dir = out_dir or paths.current().gate / "ab"
@@ -689,6 +752,17 @@ def pin_stack(
         raise UserError(
             f"{where}: judged code commit {str(rep.get('commit'))[:12]}, but the code is now at {commit[:12]}: "
             "stale evidence; run the A/B again"
+        )
+    # Judged by the rules of the matrix it edits: its thresholds, and every case the commit asks for.
+    rules = {"regression_factor": mx.gate.regression_factor, "aa_margin": mx.gate.aa_margin}
+    loose = [f"{k} {rep.get(k)!r} (here {v!r})" for k, v in rules.items() if rep.get(k) != v]
+    if rep.get("expected_cases_sha256") != expected_digest(
+        [c.id for c in cases.expand(_commit_matrix(mx, commit, None))]
+    ):
+        loose.append("another set of expected cases")
+    if loose:
+        raise UserError(
+            f"{where}: judged with {', '.join(loose)} than {matrix_path}'s: the pin stays; run the A/B again"
         )
     text = matrix_path.read_text(encoding="utf-8")
     shown = report_path.resolve()

@@ -403,7 +403,7 @@ class Judged:
     dir: Path | None = None
 
 
-def _load_run(
+def load_run(
     root: Path, run: Run, device: str, commit: str, dev: matrix.Device, ops: list[str], want_model: bool
 ) -> Judged:
     j = Judged(root=root, others=run.others, dir=run.dir)
@@ -1050,7 +1050,7 @@ def check_device(g: Gate, device: str) -> dict[str, Any]:
         }
     if run is None:
         return {**_absent(g, device, unfinished), "off_pin_runs": _off_pin_runs(g.root, device, g.commit)}
-    j = _load_run(g.root, run, device, g.commit, dev, ops, "model" in g.mx.pilot.metrics)
+    j = load_run(g.root, run, device, g.commit, dev, ops, "model" in g.mx.pilot.metrics)
     j.problems += g.unjudged
     every = {c.id for c in [*g.all_cases, *blockspec.model_kernel_cases(g.mx)]}
     for path, rec in ((run.dir / "correctness.json", j.corr), (run.dir / "build.json", j.build)):
