@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tilepilot import cases, envinfo, matrix, pilot, record, supervise
+from tilepilot import cases, envinfo, matrix, pilot, record, stack, supervise
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = "gemm/tiny-16/float16/*"
@@ -35,7 +35,8 @@ def run_pilot(results: Path, cache: Path, *flags: str, **env: str) -> subprocess
 
 def only_run(results: Path) -> Path:
     (machine,) = (results / "records").iterdir()
-    assert machine.name == "sm90-compile-only"
+    # Filed under the stack it ran on where that is not the pins (tilepilot.stack): a CI host's torch.
+    assert stack.split(machine.name)[0] == "sm90-compile-only", machine.name
     (commit,) = machine.iterdir()
     return sorted(commit.iterdir())[-1]
 

@@ -253,7 +253,9 @@ def _parser() -> argparse.ArgumentParser:
         help="move a device's TileLang/torch pin in matrix.toml, only where an A/B report says SAFE TO UPGRADE",
     )
     ps.add_argument("device", nargs="?", default=None, help="the matrix.toml device whose pin moves")
-    ps.add_argument("--device", dest="device_flag", default=None, help=argparse.SUPPRESS)  # as other commands say it
+    ps.add_argument(
+        "--device", dest="device_flag", default=None, help="the same, as a flag (as other commands take it)"
+    )
     ps.add_argument("--tilelang", default=None, help="the new TileLang pin")
     ps.add_argument("--torch", default=None, help="the new torch pin")
     ps.add_argument(
