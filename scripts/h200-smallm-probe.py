@@ -1,8 +1,10 @@
 """Small-M GEMM schedules on the H200: Llama-3-8B's four projections at decode-sized M, each config of a
 sweep against torch.matmul, timed as the pilot times (L2 flushed, alternating batches), and as
 bandwidth against the run's measured copy ceiling. For choosing sm90's small-M rules before a pilot.
+`--swiglu` sweeps the fused gate-up + SiLU·mul kernel the same way, against the eager MLP op and the
+same op under torch.compile (default mode).
 
-    PYTHONPATH=$PWD:<site> python3 scripts/h200-smallm-probe.py OUT.json [--m 1,16,64] [--workers 16]
+    PYTHONPATH=$PWD:<site> python3 scripts/h200-smallm-probe.py OUT.json [--m 1,16,64] [--workers 16] [--swiglu]
 
 Every config is compiled in a worker pool first (TileLang's disk cache then serves the main process),
 and checked against a float64 product (output poisoned first) before it is timed.
@@ -36,16 +38,29 @@ def configs() -> list[dict[str, int]]:
     return out
 
 
-def _compile(job: tuple[int, int, int, str, dict[str, int]]) -> str:
+def swiglu_configs() -> list[dict[str, int]]:
+    out = []
+    for bn, bk, st in itertools.product((16, 32, 64), (64, 128, 256), (3, 4, 6)):
+        if (64 * bk + 2 * bn * bk) * 2 * st > 200 * 1024:
+            continue
+        out.append({"block_M": 64, "block_N": bn, "block_K": bk, "num_stages": st, "threads": 128})
+    return out
+
+
+def _program(m: int, n: int, k: int, layout: str, cfg: dict[str, int]) -> Any:
     import importlib
 
+    if layout == "swiglu":  # n is the intermediate size, k the hidden size
+        return importlib.import_module("kernels.swiglu").program(m, k, n, "bfloat16", cfg)
+    return importlib.import_module("kernels.gemm").program(m, n, k, layout, "bfloat16", cfg)
+
+
+def _compile(job: tuple[int, int, int, str, dict[str, int]]) -> str:
     import tilelang
 
     m, n, k, layout, cfg = job
     try:
-        tilelang.compile(
-            importlib.import_module("kernels.gemm").program(m, n, k, layout, "bfloat16", cfg), target=TARGET
-        )
+        tilelang.compile(_program(m, n, k, layout, cfg), target=TARGET)
         return ""
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
@@ -57,6 +72,7 @@ def main() -> int:
     ap.add_argument("--m", default="1,16,64")
     ap.add_argument("--layouts", default="nt")
     ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument("--swiglu", action="store_true", help="also sweep kernels.swiglu at the same M")
     args = ap.parse_args()
     os.environ["TILELANG_CACHE_DIR"] = "/tmp/smallm-cache"
     shapes = [
@@ -65,7 +81,13 @@ def main() -> int:
         for m in map(int, args.m.split(","))
         for lay in args.layouts.split(",")
     ]
-    jobs = [(m, n, k, lay, cfg) for m, n, k, lay, _ in shapes for cfg in configs()]
+    if args.swiglu:
+        shapes += [(m, 14336, 4096, "swiglu", "swiglu") for m in map(int, args.m.split(","))]
+
+    def sweep(lay: str) -> list[dict[str, int]]:
+        return swiglu_configs() if lay == "swiglu" else configs()
+
+    jobs = [(m, n, k, lay, cfg) for m, n, k, lay, _ in shapes for cfg in sweep(lay)]
     t0 = time.perf_counter()
     import multiprocessing as mp
 
@@ -77,7 +99,7 @@ def main() -> int:
     import tilelang
     import torch
 
-    from kernels import gemm
+    from kernels.swiglu import reference as swiglu_reference
     from tilepilot import timing
 
     flush, clocks = timing.L2Flush(), timing.Clocks()
@@ -88,22 +110,37 @@ def main() -> int:
     for m, n, k, lay, name in shapes:
         g = torch.Generator(device="cuda").manual_seed(m * 7 + n)
         a = torch.randn(m, k, generator=g, device="cuda").bfloat16()
-        b = (torch.randn((n, k) if lay == "nt" else (k, n), generator=g, device="cuda") * k**-0.5).bfloat16()
-        exact = a.double() @ (b.double().t() if lay == "nt" else b.double())
-        nbytes = 2.0 * (m * k + n * k + m * n)
-        ref = functools.partial(torch.matmul, a, b.t() if lay == "nt" else b)
+        row: dict[str, Any] = {"configs": []}
+        if lay == "swiglu":
+            b = (torch.randn(2 * n, k, generator=g, device="cuda") * k**-0.5).bfloat16()
+            gu = a.double() @ b.double().t()
+            exact = torch.nn.functional.silu(gu[:, :n]) * gu[:, n:]
+            nbytes = 2.0 * (m * k + 2 * n * k + m * n)
+            ref = functools.partial(swiglu_reference, a, b)
+            compiled = torch.compile(swiglu_reference)
+            t1 = time.perf_counter()
+            compiled(a, b)
+            torch.cuda.synchronize()
+            row["compile_s"] = time.perf_counter() - t1
+            rc = timing.sample(functools.partial(compiled, a, b), flush, clocks)
+            row["compiled_us"] = rc["median_ms"] * 1e3
+        else:
+            b = (torch.randn((n, k) if lay == "nt" else (k, n), generator=g, device="cuda") * k**-0.5).bfloat16()
+            exact = a.double() @ (b.double().t() if lay == "nt" else b.double())
+            nbytes = 2.0 * (m * k + n * k + m * n)
+            ref = functools.partial(torch.matmul, a, b.t() if lay == "nt" else b)
         r = timing.sample(ref, flush, clocks)
-        row: dict[str, Any] = {"torch_us": r["median_ms"] * 1e3, "configs": []}
+        row["torch_us"] = r["median_ms"] * 1e3
         row["torch_pct_copy"] = 100 * nbytes / (r["median_ms"] * 1e-3) / 1e12 / ceil["copy_tbps"]
         best = None
-        for cfg in configs():
+        for cfg in sweep(lay):
             entry: dict[str, Any] = {"cfg": cfg}
             if j in failed:
                 entry["error"] = errors[j]
             else:
                 try:
-                    kern = tilelang.compile(gemm.program(m, n, k, lay, "bfloat16", cfg), target=TARGET)
-                    c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                    kern = tilelang.compile(_program(m, n, k, lay, cfg), target=TARGET)
+                    c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)  # poisoned
                     kern(a, b, c)
                     torch.cuda.synchronize()
                     err = float((c.double() - exact).norm() / exact.norm())
@@ -111,10 +148,16 @@ def main() -> int:
                     if not err < 8e-3:
                         entry["error"] = f"wrong: rel_fro {err}"
                     else:
-                        s = timing.sample_many({"k": functools.partial(kern, a, b, c), "r": ref}, flush, clocks)
+                        fns: dict[str, Any] = {"k": functools.partial(kern, a, b, c), "r": ref}
+                        if lay == "swiglu":
+                            fns["c"] = functools.partial(compiled, a, b)
+                        s = timing.sample_many(fns, flush, clocks)
                         entry["us"] = s["k"]["median_ms"] * 1e3
                         entry["torch_us"] = s["r"]["median_ms"] * 1e3
                         entry["speedup"] = s["r"]["median_ms"] / s["k"]["median_ms"]
+                        if "c" in s:
+                            entry["compiled_us"] = s["c"]["median_ms"] * 1e3
+                            entry["vs_compiled"] = s["c"]["median_ms"] / s["k"]["median_ms"]
                         entry["pct_copy"] = 100 * nbytes / (s["k"]["median_ms"] * 1e-3) / 1e12 / ceil["copy_tbps"]
                         if best is None or entry["us"] < best["us"]:
                             best = entry
@@ -127,7 +170,8 @@ def main() -> int:
         b_ = best or {}
         print(
             f"{name:6s} m{m:<3d} {lay} torch {row['torch_us']:7.2f} us ({row['torch_pct_copy']:4.1f}%)  best "
-            f"{b_.get('us', 0):7.2f} us ({b_.get('pct_copy', 0):4.1f}%) x{b_.get('speedup', 0):.2f} {b_.get('cfg')}",
+            f"{b_.get('us', 0):7.2f} us ({b_.get('pct_copy', 0):4.1f}%) x{b_.get('speedup', 0):.2f} "
+            f"vs-compiled x{b_.get('vs_compiled', 0):.2f} {b_.get('cfg')}",
             flush=True,
         )
         torch.cuda.empty_cache()

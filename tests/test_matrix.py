@@ -38,6 +38,13 @@ def test_cases_cover_the_matrix() -> None:
     assert {c.variant for c in gemm} == {"nt", "nn"} and {c.variant for c in attn} == {"none", "causal"}
     assert {c.dtype for c in all_cases} == {"float16", "bfloat16"}
     assert any(c.dims.get("m") == 1 for c in gemm)
+    # Decode GEMMs: the four projections at M 1/16/64, in the weights' layout only (a shape's own variants).
+    small = {(c.shape_id, c.variant) for c in gemm if c.group == "representative" and c.dims["m"] <= 64}
+    assert {sid for sid, _ in small} == {
+        f"llama8b-{p}-m{m}" for p in ("qkv", "o", "gateup", "down") for m in (1, 16, 64)
+    }
+    assert {v for _, v in small} == {"nt"}
+    assert {c.variant for c in gemm if c.shape_id == "m1-decode"} == {"nt", "nn"}
     assert any(c.dims["seq_q"] != c.dims["seq_kv"] for c in attn)
     assert any(c.dims["heads"] != c.dims["kv_heads"] for c in attn)
     assert cases.expand(matrix.load(), "gemm/tiny-16/*") == [c for c in gemm if c.shape_id == "tiny-16"]
@@ -63,7 +70,7 @@ BAD = [
     ),
     (
         "non-positive size",
-        lambda t: t.replace("m = 1\n", "m = 0\n", 1),
+        lambda t: t.replace('id = "m1-decode"\nm = 1\n', 'id = "m1-decode"\nm = 0\n', 1),
         r"operators\.gemm\.shapes\.edge\.0: m: want a positive integer, got 0",
     ),
     (
@@ -92,6 +99,11 @@ BAD = [
         "runner label",
         lambda t: t.replace('"x64", "sm90"]', '"x64", "sm 90"]', 1),
         r"devices\.sm90\.github\.labels\.2: ",
+    ),
+    (
+        "shape variant",
+        lambda t: t.replace('n = 4096\nk = 4096\nvariants = ["nt"]', 'n = 4096\nk = 4096\nvariants = ["tn"]', 1),
+        r"operators\.gemm: shape llama8b-o-m1: variant 'tn' is not one of the section's",
     ),
     (
         "gqa",

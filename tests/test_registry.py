@@ -111,7 +111,7 @@ def test_registry_and_matrix_agree() -> None:
             r"operators\.gemm\.variants: 'tn' is not one of nt, nn",
         ),
         (
-            lambda t: t.replace("m = 1\n", "m = 1\nq = 3\n", 1),
+            lambda t: t.replace('id = "m1-decode"\nm = 1\n', 'id = "m1-decode"\nm = 1\nq = 3\n', 1),
             r"operators\.gemm\.shapes\.edge\.0 \(m1-decode\): unknown key q",
         ),
         (

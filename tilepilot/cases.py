@@ -23,7 +23,7 @@ def expand(matrix: Matrix, pattern: str | None = None) -> list[Case]:
         for group, shapes in (("representative", sec.shapes.representative), ("edge", sec.shapes.edge)):
             for shape in shapes:
                 for dtype in sec.dtypes:
-                    for variant in sec.variants:
+                    for variant in shape.variants or sec.variants:
                         out.append(Case(op, shape.id, group, dtype, variant, shape.dims, sec.tolerance[dtype]))
     if pattern:
         out = [c for c in out if any(fnmatch.fnmatch(c.id, p) for p in pattern.split(","))]

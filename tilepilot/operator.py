@@ -44,10 +44,13 @@ class Tolerance(_Strict):
 
 class Shape(BaseModel):
     """One shape of an operator's distribution: an id and its dimensions, all positive integers.
-    Which dimensions an operator needs is its own business (Operator.dims), checked by the registry."""
+    Which dimensions an operator needs is its own business (Operator.dims), checked by the registry.
+    `variants` narrows the section's variants for this shape (decode GEMMs are measured in the
+    layout the model holds its weights in, not in both)."""
 
     model_config = ConfigDict(extra="allow", frozen=True, strict=True)
     id: ShapeId
+    variants: Annotated[list[Name], Field(min_length=1)] | None = None
 
     @model_validator(mode="after")
     def _dims_are_positive_ints(self) -> Shape:
@@ -89,6 +92,10 @@ class Section(_Strict):
         dup = sorted({i for i in ids if ids.count(i) > 1})
         if dup:
             raise ValueError(f"duplicate shape id {', '.join(dup)}")
+        for s in self.shapes.representative + self.shapes.edge:
+            bad = [v for v in s.variants or [] if v not in self.variants]
+            if bad:
+                raise ValueError(f"shape {s.id}: variant {bad[0]!r} is not one of the section's {self.variants}")
         return self
 
 
