@@ -4,7 +4,10 @@
     PATH=<site-packages>/nvidia/cu13/bin:$PATH python3 scripts/sass-probe.py docs/probes/<commit>/sass
 
 Evidence for docs/perf-notes.md beside the Nsight Compute profile: each case is compiled for sm_90a
-as the pilot pins it, TileLang disassembles it (`JITKernel.export_sass`), and the hot loop (the
+as the pilot pins it, into a private TileLang cache, and the cubin that compile left there (the binary
+the pilot runs) is disassembled with nvdisasm. `JITKernel.export_sass` is not used for the evidence: it
+recompiles without the kernel's pass configs (TL_ENABLE_FAST_MATH among them), so its SASS is another
+kernel's; its instruction count is recorded beside, as `export_sass_instructions`. The hot loop (the
 backward branch whose body issues wgmma) is summarised as a sequence of the instructions that order
 the work: wgmma issue (HGMMA) and waits (WARPGROUP.DEPBAR), exp (MUFU.EX2), CTA and named barriers
 (BAR), mbarrier waits and arrivals (SYNCS), TMA loads and stores (UTMALDG, UTMASTG). Writes <out>.json (counts and sequences) and,
@@ -15,8 +18,12 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
+import shutil
+import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -84,37 +91,58 @@ def skeleton(instrs: list[tuple[str, str]]) -> list[str]:
     return [f"{e} x{n}" if n > 1 else e for e, n in out]
 
 
+def _binaries(cache: Path) -> set[Path]:
+    return set(cache.glob("*/cuda-binaries/*/kernel.cubin"))
+
+
 def main(out: Path) -> None:
     import tempfile
     from importlib.metadata import version
 
+    nvdisasm = shutil.which("nvdisasm")
+    if nvdisasm is None:
+        raise SystemExit("sass-probe: no nvdisasm on PATH (pip install nvidia-cuda-nvdisasm; see this script's header)")
+    # Before TileLang is imported, so that every compile of this run lands in a cache of its own.
+    cache = Path(tempfile.mkdtemp(prefix="sass-probe-cache-"))
+    os.environ["TILELANG_CACHE_DIR"] = str(cache)
     from tilepilot import build, cases, envinfo, matrix
 
-    report: dict[str, Any] = {"tilelang": version("tilelang"), "toolkit": envinfo.toolkit(), "cases": {}}
+    report: dict[str, Any] = {
+        "tilelang": version("tilelang"),
+        "toolkit": envinfo.toolkit(),
+        "nvdisasm": subprocess.run([nvdisasm, "--version"], capture_output=True, text=True).stdout.split("\n")[-2],
+        "source": "the cubin in TileLang's cache, as the pilot's build left it",
+        "cases": {},
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     for cid in CASES:
         case = next(c for c in cases.expand(matrix.load(), cid))
+        before = _binaries(cache)
         kernel = build.compile_case(case, "sm90")
-        with tempfile.TemporaryDirectory() as tmp:
+        new = sorted(_binaries(cache) - before)
+        if len(new) != 1:
+            raise SystemExit(f"{cid}: want the one cubin this compile left in {cache}, found {len(new)}")
+        sass = subprocess.run([nvdisasm, "-c", str(new[0])], capture_output=True, text=True, check=True).stdout
+        lines = hot_loop(sass.splitlines())
+        with tempfile.TemporaryDirectory() as tmp:  # the recompile export_sass makes, for comparison only
             path = Path(tmp) / "kernel.sass"
-            kernel.export_sass(str(path))  # logs and writes nothing where no disassembler is found
-            if not path.exists():
-                raise SystemExit(
-                    f"{cid}: no SASS; put nvdisasm or cuobjdump on PATH (pip install nvidia-cuda-nvdisasm)"
-                )
-            sass = path.read_text(encoding="utf-8").splitlines()
-        lines = hot_loop(sass)
+            kernel.export_sass(str(path))
+            other = path.read_text(encoding="utf-8").splitlines() if path.exists() else None
         (out.parent / f"{out.name}-{cid.replace('/', '_')}.loop.sass").write_text(
             "\n".join(lines) + "\n", encoding="utf-8"
         )
-        loop, everything = instructions(lines), instructions(sass)
+        loop, everything = instructions(lines), instructions(sass.splitlines())
         report["cases"][cid] = {
             "config": str(build.choice(case, "sm90")),
+            "cubin_sha256": build.cubin_digest(new[0].read_bytes())[0],
             "instructions": len(everything),
+            "export_sass_instructions": len(instructions(other)) if other is not None else None,
+            "export_sass_loop_instructions": len(instructions(hot_loop(other))) if other is not None else None,
             "hgmma": sum(op.startswith("HGMMA") for op, _ in everything),
             "loop_instructions": len(loop),
             "loop_events": skeleton(loop),
             "loop_other": sum(_event(op, rest) is None for op, rest in loop),
+            "loop_opcodes": dict(Counter(op.split(".")[0] for op, _ in loop).most_common(16)),
         }
         print(cid, json.dumps(report["cases"][cid]["loop_events"]), flush=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
