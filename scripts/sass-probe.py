@@ -59,7 +59,10 @@ def _event(op: str, rest: str) -> str | None:
 
 
 def hot_loop(lines: list[str]) -> list[str]:
-    """The lines of the innermost backward-branch loop that issues wgmma."""
+    """The lines of the loop that issues the most wgmma, the innermost such one: the k-loop of a GEMM,
+    the key-block loop of attention. (Not merely the innermost loop with a wgmma: ptxas places the
+    mbarrier retry paths after the kernel's body and branches back into the loop from there, which
+    reads as a backward-branch "loop" over part of the body.)"""
     labels: dict[str, int] = {}
     loops: list[tuple[int, int]] = []
     for i, line in enumerate(lines):
@@ -67,10 +70,12 @@ def hot_loop(lines: list[str]) -> list[str]:
             labels[m.group(1)] = i
         if (b := BRANCH.search(line)) and b.group(1) in labels:
             loops.append((labels[b.group(1)], i))
-    for lo, hi in sorted(loops, key=lambda x: x[1] - x[0]):
-        if any("HGMMA" in line for line in lines[lo : hi + 1]):
-            return lines[lo : hi + 1]
-    return []
+    scored = [(sum("HGMMA" in line for line in lines[lo : hi + 1]), lo, hi) for lo, hi in loops]
+    scored = [x for x in scored if x[0]]
+    if not scored:
+        return []
+    _, lo, hi = min(scored, key=lambda x: (-x[0], x[2] - x[1]))
+    return lines[lo : hi + 1]
 
 
 def instructions(lines: list[str]) -> list[tuple[str, str]]:
