@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs the real pilot on the lent H200 (host mode) and packs what it wrote into $OUT.
-# Needs the bundle from ../shared/device/make-bundle.sh in .device/ (carried with the call).
+# Needs the bundle from scripts/device-bundle.sh in .device/ (carried with the call).
 #   scripts/h200-pilot.sh [pilot args...]      e.g. --cases 'gemm/*'
 #   PROFILE=1: then Nsight Compute over scripts/h200-profile.py, into $OUT/ncu.csv
 # A first run starts from an empty compile cache (cold); when time is left (REPEAT_IF_LEFT seconds

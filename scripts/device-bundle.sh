@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Packs what the lent GPU machine lacks (../shared/device/make-bundle.sh), then drops from the site what
+# a CUDA pilot never loads, so that the site and the history bundle fit the 64 MiB a device call
+# carries (the history's results/ alone is about 23 MB packed; TileLang 0.1.15's site 46 MB).
+#   scripts/device-bundle.sh                       # .device/ (the pinned TileLang)
+#   TILELANG=0.1.14 OUT_DIR=.device-0.1.14 scripts/device-bundle.sh    # an A/B side's stack
+# Dropped: TVM's C++ sources and CUTLASS's tools (TileLang compiles against the headers alone), the
+# Ascend/ROCm/Metal/WebGPU backends' sources, and virtualenv (nox runs with --no-venv there).
+set -euo pipefail
+root=$(git rev-parse --show-toplevel)
+cd "$root"
+out=${OUT_DIR:-.device}
+"$root/../shared/device/make-bundle.sh" "$@" >/dev/null 2>&1 || true  # its size check is the one below
+[ -s "$out/site.tar.xz" ] || { echo "device-bundle: $out/site.tar.xz was not built (run ../shared/device/make-bundle.sh to see why)" >&2; exit 1; }
+if [ ! -f "$out/.trimmed" ] || [ "$out/site.tar.xz" -nt "$out/.trimmed" ]; then
+  work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
+  tar -C "$work" -xJf "$out/site.tar.xz"
+  s="$work/site"
+  rm -rf "$s"/tilelang/3rdparty/tvm/src "$s"/tilelang/3rdparty/cutlass/tools \
+    "$s"/tilelang/src/{ascend,rocm,metal,webgpu} "$s"/tilelang/ascend "$s"/virtualenv "$s"/virtualenv-*.dist-info
+  tar -C "$work" -cf - site | xz -9 -T0 > "$out/site.tar.xz.new"
+  mv "$out/site.tar.xz.new" "$out/site.tar.xz"
+  touch "$out/.trimmed"
+fi
+size=$(du -cb "$out/site.tar.xz" "$out/repo.bundle" | tail -1 | cut -f1)
+tree=$(git ls-files -z -- ':!results' ':!docs' | xargs -0 du -cb | tail -1 | cut -f1)
+ls -l "$out/site.tar.xz" "$out/repo.bundle"
+if [ $((size + tree)) -ge $((64 * 1024 * 1024)) ]; then
+  echo "device-bundle: $out ($size bytes) and the tree without results/ and docs/ ($tree) pass the 64 MiB a call carries" >&2
+  exit 1
+fi
+echo "ok: $((size + tree)) bytes with the tree; make the call with results/ and docs/ out of the checkout:"
+echo "  git sparse-checkout set --no-cone '/*' '!/results/' '!/docs/'   (undo: git sparse-checkout disable)"
