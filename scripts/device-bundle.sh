@@ -5,7 +5,9 @@
 #   scripts/device-bundle.sh                       # .device/ (the pinned TileLang)
 #   TILELANG=0.1.14 OUT_DIR=.device-0.1.14 scripts/device-bundle.sh    # an A/B side's stack
 # Dropped: TVM's C++ sources and CUTLASS's tools (TileLang compiles against the headers alone), the
-# Ascend/ROCm/Metal/WebGPU backends' sources, and virtualenv (nox runs with --no-venv there).
+# Ascend/ROCm/Metal/WebGPU backends' C++ templates, and virtualenv (nox runs with --no-venv there, asv
+# with the "existing" environment). Never a Python module of TileLang: `import tilelang` imports its
+# Ascend cache classes on every backend (2026-12-05: dropping tilelang/ascend broke the pilot there).
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
@@ -17,8 +19,12 @@ if [ ! -f "$out/.trimmed" ] || [ "$out/site.tar.xz" -nt "$out/.trimmed" ]; then
   trap 'rm -rf "$work"' EXIT
   tar -C "$work" -xJf "$out/site.tar.xz"
   s="$work/site"
-  rm -rf "$s"/tilelang/3rdparty/tvm/src "$s"/tilelang/3rdparty/cutlass/tools \
-    "$s"/tilelang/src/{ascend,rocm,metal,webgpu} "$s"/tilelang/ascend "$s"/virtualenv "$s"/virtualenv-*.dist-info
+  drop=("$s"/tilelang/3rdparty/tvm/src "$s"/tilelang/src/{ascend,rocm,metal,webgpu})
+  if find "${drop[@]}" -name '*.py' | grep -q .; then
+    echo "device-bundle: a Python file is under what would be dropped (${drop[*]}): TileLang's layout changed" >&2
+    exit 1
+  fi
+  rm -rf "${drop[@]}" "$s"/tilelang/3rdparty/cutlass/tools "$s"/virtualenv "$s"/virtualenv-*.dist-info
   tar -C "$work" -cf - site | xz -9 -T0 > "$out/site.tar.xz.new"
   mv "$out/site.tar.xz.new" "$out/site.tar.xz"
   touch "$out/.trimmed"

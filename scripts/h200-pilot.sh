@@ -15,17 +15,21 @@ git fetch -q .device/repo.bundle HEAD && git reset -q FETCH_HEAD && git checkout
 mkdir -p /tmp/s && tar -C /tmp/s -xJf .device/site.tar.xz
 export PYTHONPATH=$PWD:/tmp/s/site PYTHONUNBUFFERED=1
 export TILEPILOT_CACHE=/tmp/tilepilot-cache
+# One case that hangs fails alone, in its supervised child, instead of holding the whole call (the pilot's
+# own default is 600 s, a call's whole length: 2026-12-05's H100 run lost its call so).
+export TILEPILOT_CASE_TIMEOUT=${CASE_TIMEOUT:-120}
 limit=${LIMIT:-570}
 t0=$(date +%s)
 for run in ${RUNS:-cold warm}; do
   left=$(( limit - ($(date +%s) - t0) ))
   if [ "$run" = warm ] && [ "${RUNS:-}" != warm ] && [ "$left" -lt "${REPEAT_IF_LEFT:-260}" ]; then echo "no time left for a warm run ($left s)"; break; fi
   s=$(date +%s)
-  timeout "$left" python3 -m nox --no-venv -s pilot-sm90 -- --host "$@" 2>&1 | grep -v 'tilelang.jit.kernel:INFO' | tee "$OUT/pilot-$run.log"
+  # --line-buffered: a run cut short by the timeout still leaves its last lines in the log.
+  timeout "$left" python3 -m nox --no-venv -s pilot-sm90 -- --host "$@" 2>&1 | grep --line-buffered -v 'tilelang.jit.kernel:INFO' | tee "$OUT/pilot-$run.log"
   rc=${PIPESTATUS[0]}
   echo "pilot $run rc=$rc wall=$(( $(date +%s) - s ))s" | tee -a "$OUT/pilot-$run.log"
   # Packed after every run: a call cut short still brings back what finished.
-  tar -czf "$OUT/results.tgz" results/records results/asv $(ls -d results/repro 2>/dev/null) html
+  tar -czf "$OUT/results.tgz" results/records results/asv $(ls -d results/repro html 2>/dev/null)
   [ "$rc" -eq 0 ] || break
 done
 # The reproducer's GPU path (minimizing a wrong-values kernel by running it), when time is left.
@@ -41,5 +45,5 @@ if [ "${PROFILE:-0}" = 1 ] && [ "$left" -gt 60 ]; then
     python3 scripts/h200-profile.py > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
   echo "ncu rc=$? lines=$(wc -l < "$OUT/ncu.csv")"
 fi
-tar -czf "$OUT/results.tgz" results/records results/asv $(ls -d results/repro 2>/dev/null) html
+tar -czf "$OUT/results.tgz" results/records results/asv $(ls -d results/repro html 2>/dev/null)
 exit "$rc"

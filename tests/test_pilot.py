@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +124,8 @@ for item in sys.argv[2:]:
     if item == "exit":
         sys.exit(3)
     out.write(json.dumps({"result": {"id": item, "ok": True}}) + "\\n")
+if os.environ.get("STUCK"):  # every result given, then never exits (a CUDA context that does not tear down)
+    time.sleep(3600)
 sys.exit(int(os.environ.get("END", "0")))
 """
 
@@ -156,6 +159,24 @@ def test_a_child_that_fails_outside_any_case_is_a_step_that_could_not_run(tmp_pa
     assert pilot._correctness_failures(run, sel, rows, got.could_not_run) == [
         f"correctness could not run: the child exited 4 outside any item; see {tmp_path / 'pilot.log'}"
     ]
+
+
+def test_a_child_silent_outside_any_case_is_killed_and_its_step_could_not_run(tmp_path: Path) -> None:
+    """2026-12-05: a correctness child fell silent after its last case and the pilot waited out the
+    whole device call. Now the timeout holds outside items too, and the step fails closed."""
+    t0 = time.monotonic()
+    got = _supervised(["a", "b"], STUCK="1")
+    assert time.monotonic() - t0 < 60
+    assert got.results.keys() == {"a", "b"} and not got.dead
+    assert got.children == [{"exit": -9, "how": "hung outside any item: silent for 3s; the process was killed"}]
+    assert got.could_not_run == "hung outside any item: silent for 3s; the process was killed"
+    run = _At("sm90", MX, {}, None, 1, 1, tmp_path)
+    run.where = tmp_path
+    sel = cases.expand(MX, "gemm/tiny-16/*")
+    rows = {c.id: {"case": c.id, "status": "passed"} for c in sel}
+    assert pilot._correctness_failures(run, sel, rows, got.could_not_run)[0].startswith(
+        "correctness could not run: hung outside any item"
+    )
 
 
 @pytest.mark.skipif(ON_SM90, reason="an sm90 GPU is here")

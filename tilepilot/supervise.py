@@ -12,7 +12,10 @@ with stderr into the run's log with TileLang's and torch's own lines:
 
 The supervisor keeps the item that is running. One that runs past the timeout has its process group
 killed (a hang); a child that ends (pipe EOF, then its exit status) in the middle of an item crashed
-on it. Either way the item is `dead` with how it ended, and a new child starts on what is left.
+on it. Either way the item is `dead` with how it ended, and a new child starts on what is left. A
+child silent for the timeout outside any item (before its first, between two, or after its last: a
+CUDA context that never tears down) is killed too, and its step could not run: nothing waits on it
+for ever.
 """
 
 from __future__ import annotations
@@ -96,8 +99,8 @@ def run_one(
     stream = os.fdopen(r, encoding="utf-8", errors="replace")
     threading.Thread(target=_reader, args=(stream, q), daemon=True).start()
     current: str | None = None
-    since = time.monotonic()
-    hung = ""
+    since = heard = time.monotonic()
+    hung = stuck = ""
     while True:
         try:
             event = q.get(timeout=1.0)
@@ -105,6 +108,8 @@ def run_one(
             event = {}
         if event is None:
             break
+        if event:
+            heard = time.monotonic()
         if "start" in event:
             current, since = str(event["start"]), time.monotonic()
         elif "result" in event and isinstance(event["result"], dict):
@@ -119,8 +124,15 @@ def run_one(
             hung = f"hung: no result after {timeout_s:.0f}s; the process was killed"
             os.killpg(proc.pid, signal.SIGKILL)
             break
+        if current is None and time.monotonic() - heard > timeout_s and proc.poll() is None:
+            stuck = f"hung outside any item: silent for {timeout_s:.0f}s; the process was killed"
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
     rc = proc.wait()
     stream.close()
+    if stuck:  # no "item" key: could_not_run reports it, and the step fails closed
+        got.children.append({"exit": rc, "how": stuck})
+        return None, ""
     if hung:
         got.children.append({"exit": rc, "how": hung, "item": current})
         return current, hung
