@@ -62,14 +62,22 @@ def hot_loop(lines: list[str]) -> list[str]:
     """The lines of the loop that issues the most wgmma, the innermost such one: the k-loop of a GEMM,
     the key-block loop of attention. (Not merely the innermost loop with a wgmma: ptxas places the
     mbarrier retry paths after the kernel's body and branches back into the loop from there, which
-    reads as a backward-branch "loop" over part of the body.)"""
+    reads as a backward-branch "loop" over part of the body: branches after the first unconditional
+    EXIT are not taken for loops.)"""
     labels: dict[str, int] = {}
     loops: list[tuple[int, int]] = []
+    exited = False  # past the kernel's first EXIT: out-of-line paths, whose branches back are no loops
     for i, line in enumerate(lines):
         if m := LABEL.match(line.strip()):
             labels[m.group(1)] = i
-        if (b := BRANCH.search(line)) and b.group(1) in labels:
+        if (b := BRANCH.search(line)) and b.group(1) in labels and not exited:
             loops.append((labels[b.group(1)], i))
+        if (
+            (ins := INSTR.match(line))
+            and ins.group(2) == "EXIT"
+            and not line.lstrip().split("*/", 1)[-1].lstrip().startswith("@")
+        ):
+            exited = True
     scored = [(sum("HGMMA" in line for line in lines[lo : hi + 1]), lo, hi) for lo, hi in loops]
     scored = [x for x in scored if x[0]]
     if not scored:

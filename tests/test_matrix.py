@@ -106,6 +106,11 @@ BAD = [
         r"operators\.gemm: shape llama8b-o-m1: variant 'tn' is not one of the section's",
     ),
     (
+        "shape variant twice",
+        lambda t: t.replace('n = 4096\nk = 4096\nvariants = ["nt"]', 'n = 4096\nk = 4096\nvariants = ["nt", "nt"]', 1),
+        r"operators\.gemm: shape llama8b-o-m1: variants \['nt', 'nt'\] names one twice",
+    ),
+    (
         "gqa",
         lambda t: t.replace("kv_heads = 8\nseq_q = 4096", "kv_heads = 7\nseq_q = 4096", 1),
         r"multiple of kv_heads",

@@ -125,6 +125,8 @@ for item in sys.argv[2:]:
         sys.exit(3)
     out.write(json.dumps({"result": {"id": item, "ok": True}}) + "\\n")
 if os.environ.get("STUCK"):  # every result given, then never exits (a CUDA context that does not tear down)
+    if os.environ["STUCK"] == "closed":  # ... with its report pipe already closed, as main()'s return closes it
+        out.close()
     time.sleep(3600)
 sys.exit(int(os.environ.get("END", "0")))
 """
@@ -170,6 +172,10 @@ def test_a_child_silent_outside_any_case_is_killed_and_its_step_could_not_run(tm
     assert got.results.keys() == {"a", "b"} and not got.dead
     assert got.children == [{"exit": -9, "how": "hung outside any item: silent for 3s; the process was killed"}]
     assert got.could_not_run == "hung outside any item: silent for 3s; the process was killed"
+    closed = _supervised(["a"], STUCK="closed")
+    assert closed.results.keys() == {"a"} and closed.children == [
+        {"exit": -9, "how": "hung outside any item: did not exit within 3s of its last report; the process was killed"}
+    ]
     run = _At("sm90", MX, {}, None, 1, 1, tmp_path)
     run.where = tmp_path
     sel = cases.expand(MX, "gemm/tiny-16/*")

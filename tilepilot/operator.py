@@ -96,6 +96,8 @@ class Section(_Strict):
             bad = [v for v in s.variants or [] if v not in self.variants]
             if bad:
                 raise ValueError(f"shape {s.id}: variant {bad[0]!r} is not one of the section's {self.variants}")
+            if s.variants and len(set(s.variants)) != len(s.variants):
+                raise ValueError(f"shape {s.id}: variants {s.variants} names one twice")
         return self
 
 

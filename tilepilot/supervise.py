@@ -70,6 +70,14 @@ def _reader(stream: IO[str], q: queue.Queue[dict[str, Any] | None]) -> None:
     q.put(None)
 
 
+def _kill(pgid: int) -> None:
+    """SIGKILL the child's process group (its session, start_new_session), if anything is left of it."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def _how(rc: int) -> str:
     if rc < 0:
         try:
@@ -122,13 +130,22 @@ def run_one(
             watch(current, time.monotonic() - since, got)
         if current is not None and time.monotonic() - since > timeout_s:
             hung = f"hung: no result after {timeout_s:.0f}s; the process was killed"
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill(proc.pid)
             break
-        if current is None and time.monotonic() - heard > timeout_s and proc.poll() is None:
+        if current is None and time.monotonic() - heard > timeout_s:
+            # The child, or a process it left holding the pipe after it exited.
             stuck = f"hung outside any item: silent for {timeout_s:.0f}s; the process was killed"
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill(proc.pid)
             break
-    rc = proc.wait()
+    try:
+        # The pipe can close before the interpreter's teardown (CUDA's included) ends: wait, but not for ever.
+        rc = proc.wait(timeout=None if stuck or hung else timeout_s)
+    except subprocess.TimeoutExpired:
+        stuck = (
+            f"hung outside any item: did not exit within {timeout_s:.0f}s of its last report; the process was killed"
+        )
+        _kill(proc.pid)
+        rc = proc.wait()
     stream.close()
     if stuck:  # no "item" key: could_not_run reports it, and the step fails closed
         got.children.append({"exit": rc, "how": stuck})
