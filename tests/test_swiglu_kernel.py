@@ -110,7 +110,11 @@ def test_rules_ship_nothing_unmeasured() -> None:
     with kernels.use_backend("tilelang"):
         small = _config.choose("sm90", "swiglu", swiglu.facts(16, 4096, 14336, "bfloat16"))
     assert small is not None and small.backend == "tilelang"
-    assert (small.config["block_M"], small.config["block_N"]) == (64, 32)
+    # sm90.toml's m_max = 64 rule (the H100 sweep's pick), not the prefill default of 128x128
+    assert tuple(small.config[k] for k in ("block_M", "block_N", "block_K", "num_stages")) == (64, 64, 128, 4)
+    with kernels.use_backend("tilelang"):
+        big = _config.choose("sm90", "swiglu", swiglu.facts(4096, 4096, 14336, "bfloat16"))
+    assert big is not None and (big.config["block_M"], big.config["block_N"]) == (128, 128)
     fn = swiglu.tunable(16, 4096, 14336, "bfloat16", base=small.config)
     assert fn.__defaults__ == tuple(small.config[k] for k in ("block_M", "block_N", "block_K", "num_stages", "threads"))
 
