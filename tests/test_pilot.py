@@ -111,6 +111,17 @@ def test_hang_and_crash_are_contained(tmp_path: Path) -> None:
     assert "COMPILE-ONLY: 2 kernels built and checked; nothing measured" in again.stdout
     assert f"record: {second}" in again.stdout
 
+    # A child whose interpreter would never finish its teardown (the H100's correctness child of
+    # 2026-12-05) still ends once its last case is reported: its evidence is complete. The run fails
+    # only for the injection itself.
+    third = run_pilot(results, cache, *COMPILE_ONLY, TILEPILOT_CASE_TIMEOUT="60", TILEPILOT_INJECT="teardown:*")
+    assert third.returncode == 1, third.stdout + third.stderr
+    last = only_run(results)
+    assert json.loads((last / "correctness.json").read_text())["children"] == [{"exit": 0, "how": "finished"}]
+    assert json.loads((last / "fallback.json").read_text())["children"][-1] == {"exit": 0, "how": "finished"}
+    fails = json.loads((last / "run.json").read_text())["failures"]
+    assert len(fails) == 1 and fails[0].startswith("fault injection was active"), fails
+
 
 CHILD = """
 import json, os, sys, time

@@ -262,4 +262,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from tilepilot.supervise import leave
+
+    leave(main())  # not SystemExit: the evidence is sent, and teardown can hang (see leave)

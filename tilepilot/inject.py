@@ -3,6 +3,7 @@ comma-separated `<kind>:<case-glob>` items.
 
     hang:<glob>    the correctness test of a matching case never returns
     crash:<glob>   its process dies of SIGSEGV
+    teardown:<glob> its process would never end after its last report (a thread that is never done)
     wrong:<glob>   the TileLang kernel's output is corrupted after it ran (needs the GPU)
     internal:gate  the gate raises a bug (its exit status 3 and the log file that keeps the traceback)
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import signal
+import threading
 import time
 
 
@@ -31,3 +33,5 @@ def harness_fault(case_id: str) -> None:
     if active("hang", case_id):
         while True:
             time.sleep(3600)
+    if active("teardown", case_id):  # the interpreter's exit joins every non-daemon thread: this one, never
+        threading.Thread(target=time.sleep, args=(1e9,), daemon=False).start()

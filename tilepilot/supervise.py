@@ -15,7 +15,7 @@ killed (a hang); a child that ends (pipe EOF, then its exit status) in the middl
 on it. Either way the item is `dead` with how it ended, and a new child starts on what is left. A
 child silent for the timeout outside any item (before its first, between two, or after its last: a
 CUDA context that never tears down) is killed too, and its step could not run: nothing waits on it
-for ever.
+for ever. The children end through `leave`, which skips the interpreter's teardown.
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ import os
 import queue
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,6 +59,19 @@ def report(fd: int) -> Callable[[dict[str, Any]], None]:
         out.flush()
 
     return send
+
+
+def leave(rc: int) -> NoReturn:
+    """The child's end, once its last event is written: out without the interpreter's teardown.
+    2026-12-05 (H100): a correctness child reported all 146 cases and then never exited; the thread
+    joins, atexit hooks and destructors (TileLang's, torch's, CUDA's) that teardown runs can wait for
+    ever, and the evidence is already in the pipe. The driver frees the GPU context with the process."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing left to save in it
+            pass
+    os._exit(rc)
 
 
 def _reader(stream: IO[str], q: queue.Queue[dict[str, Any] | None]) -> None:
