@@ -339,4 +339,4 @@ def lint(session: nox.Session) -> None:
     session.install("-e", ".[test]")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
-    session.run("mypy", "tilepilot", "kernels", "benchmarks", "noxfile.py")
+    session.run("mypy", "tilepilot", "kernels", "benchmarks", "noxfile.py", "tests")

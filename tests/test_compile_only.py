@@ -141,7 +141,9 @@ def test_pinned_targets_match_matrix() -> None:
 
     mx = matrix.load()
     for dev in _config.devices():
-        assert _config.target(dev) == mx.device(dev).tilelang_target.model_dump(), dev
+        target = mx.device(dev).tilelang_target
+        assert target is not None, dev
+        assert _config.target(dev) == target.model_dump(), dev
 
 
 def test_a_real_compile_failure_is_reported_and_memoized() -> None:

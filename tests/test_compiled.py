@@ -41,7 +41,7 @@ def fresh_dynamo() -> None:
 
 
 def test_keeps_framework_is_the_first_rule_that_names_a_backend() -> None:
-    rules = [
+    rules: list[dict[str, Any]] = [
         {"when": {"m_max": 64}, "block_M": 64},  # no backend: a config change, the walk goes on
         {"when": {"n_unaligned": True}, "backend": "tilelang"},
         {"when": {}, "backend": "framework", "reason": "measured slower"},

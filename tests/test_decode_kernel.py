@@ -248,7 +248,7 @@ def test_kernel_matches_exact(
 
 
 @pytest.mark.parametrize(("device", "shape"), [("sm90", (2, 8, 8, 1, 1, 64)), ("sm80", (1, 16, 4, 77, 4097, 128))])
-def test_compiles(device: str, shape: tuple[int, ...]) -> None:
+def test_compiles(device: str, shape: tuple[int, int, int, int, int, int]) -> None:
     if shutil.which("nvcc") is None:
         pytest.fail("nvcc is not on PATH: compile-only checks need CUDA's nvcc (CUDA 13.0)")
     import tilelang

@@ -20,8 +20,9 @@ import kernels
 from kernels import _config, _dispatch
 from tilepilot import fallback, registry
 
-GPU = torch.cuda.is_available() and _config.device_for_capability(*torch.cuda.get_device_capability()) is not None
-DEVICE = _config.device_for_capability(*torch.cuda.get_device_capability()) if GPU else "sm90"
+_HERE = _config.device_for_capability(*torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+GPU = _HERE is not None
+DEVICE = _HERE if _HERE is not None else "sm90"
 
 
 def _kernel_missing(name: str) -> str | None:

@@ -919,7 +919,7 @@ def test_every_timed_form_of_the_block_is_read_from_asv() -> None:
     res = gate._load_asv(path, ROOT, MACHINE)
     for f in forms:
         value, samples = res.get(f"track_{f}_ms", "model/llama-decode-b8-c4096/bfloat16") or (None, None)
-        assert isinstance(value, float) and 0 < value < 10 and len(samples) >= 30, f
+        assert isinstance(value, float) and 0 < value < 10 and samples is not None and len(samples) >= 30, f
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1018,7 +1018,9 @@ def test_an_unpinned_image_fails_a_required_device_when_the_gate_asks(
     monkeypatch.setattr(paths, "_used", None)  # an earlier in-process command may have fixed the paths
 
     def judged(mx: matrix.Matrix) -> dict[str, Any]:
-        devices = [{"device": d, "status": "PASS", "required": d in mx.gate.required} for d in mx.devices]
+        devices: list[dict[str, Any]] = [
+            {"device": d, "status": "PASS", "required": d in mx.gate.required} for d in mx.devices
+        ]
         gate_mod._images(mx, devices)
         return {d["device"]: d for d in devices}
 

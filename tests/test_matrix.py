@@ -24,7 +24,7 @@ def test_shipped_matrix_is_valid() -> None:
     assert {"sm90", "sm80", "gfx942"} <= set(mx.devices)
     sm90 = mx.devices["sm90"]
     assert (sm90.python, sm90.torch, sm90.tilelang, sm90.min_driver) == ("3.12", "2.11.0", "0.1.15", "580")
-    assert sm90.tilelang_target.arch == "sm_90a"
+    assert sm90.tilelang_target is not None and sm90.tilelang_target.arch == "sm_90a"
     r = cli("matrix", "check")
     assert r.returncode == 0, r.stderr
 
@@ -242,6 +242,7 @@ def test_hostile_value_is_refused_in_one_line(tmp_path: Path, name: str, old: st
 def test_valid_values_of_each_grammar_are_accepted() -> None:
     row = matrix.load().devices["sm90"].model_dump()
     digest = "sha256:" + "0" * 64
+    value: object  # a str, or the list of shell lines of `setup`
     for key, value in [
         ("torch", "2.11.0+cu130"),
         ("torch", "2.12.0rc1"),

@@ -88,7 +88,7 @@ def bare_nox(tmp_path_factory: pytest.TempPathFactory) -> str:
         ]
         for top in {f.parts[0] for f in dist.files or []} - {"..", "bin", "__pycache__"}:
             if not (site / top).exists():
-                (site / top).symlink_to(dist.locate_file(top))
+                (site / top).symlink_to(str(dist.locate_file(top)))
     python = str(venv / "bin" / "python")
     check = subprocess.run([python, "-c", "import nox; import pydantic"], capture_output=True, text=True, check=False)
     assert "No module named 'pydantic'" in check.stderr, check.stderr  # nox is there, the project's stack is not

@@ -36,7 +36,9 @@ from tilepilot import registry
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "results"
 MACHINE = "sm90-h200"
-ASV_WWW = Path(__import__("asv").__file__).parent / "www"
+_ASV_FILE = __import__("asv").__file__
+assert _ASV_FILE is not None  # asv is a regular package, not a namespace one
+ASV_WWW = Path(_ASV_FILE).parent / "www"
 VENDOR = ROOT / "tilepilot" / "www" / "vendor"
 # asv lists a one-commit step only where the case's history is steady enough to call it one (its
 # step detection weighs each point by its confidence interval): square-8192's kernel got 20% faster

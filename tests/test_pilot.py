@@ -226,7 +226,7 @@ def test_an_unpinned_stack_stops_with_each_difference(tmp_path: Path) -> None:
 
 def h200(**change: Any) -> dict[str, Any]:
     """The lent H200 host's stack, as envinfo.capture() records it."""
-    env = {
+    env: dict[str, Any] = {
         "python": "3.12.3",
         "torch": {"version": "2.11.0+cu130", "cuda": "13.0", "hip": None},
         "tilelang": "0.1.15",
