@@ -7,14 +7,23 @@
 # of LIMIT), the same commit is measured again, warm, for the reproducibility and warm-time figures.
 # RUNS=cold or RUNS=warm runs one of them: a pilot too long for both in one call's 600 s is measured
 # cold in one call and warm in the next, made while the machine is still warm (its /tmp cache kept).
+# An A/B side on its own stack: BUNDLE=.device-0.1.14 SESSION=ab-sm90 scripts/h200-pilot.sh --tilelang 0.1.14
+# (the side's site directory is handed to the session with --site; the bundle carries the same commit).
 set -uo pipefail
 # results/ (the committed history) comes from the bundle: with it the tree would pass the 64 MiB a
 # device call carries, so the call is made with results/ out of the checkout here
 # (`git sparse-checkout set --no-cone '/*' '!/results/'`, undone by `git sparse-checkout disable`).
-git fetch -q .device/repo.bundle HEAD && git reset -q FETCH_HEAD && git checkout -q -- results
-mkdir -p /tmp/s && tar -C /tmp/s -xJf .device/site.tar.xz
-export PYTHONPATH=$PWD:/tmp/s/site PYTHONUNBUFFERED=1
-export TILEPILOT_CACHE=/tmp/tilepilot-cache
+bundle=${BUNDLE:-.device}
+session=${SESSION:-pilot-sm90}
+git fetch -q "$bundle/repo.bundle" HEAD && git reset -q FETCH_HEAD && git checkout -q -- results
+# One site and one compile cache per bundle: a warm machine keeps /tmp, and two stacks must never mix.
+tag=$(basename "$bundle")
+site=/tmp/s$tag/site
+mkdir -p "/tmp/s$tag" && tar -C "/tmp/s$tag" -xJf "$bundle/site.tar.xz"
+export PYTHONPATH=$PWD:$site PYTHONUNBUFFERED=1
+export TILEPILOT_CACHE=/tmp/tilepilot-cache$tag
+extra=()
+[ "$session" = pilot-sm90 ] || extra=(--site "$site")
 # One case that hangs fails alone, in its supervised child, instead of holding the whole call (the pilot's
 # own default is 600 s, a call's whole length: 2026-12-05's H100 run lost its call so).
 export TILEPILOT_CASE_TIMEOUT=${CASE_TIMEOUT:-120}
@@ -25,7 +34,7 @@ for run in ${RUNS:-cold warm}; do
   if [ "$run" = warm ] && [ "${RUNS:-}" != warm ] && [ "$left" -lt "${REPEAT_IF_LEFT:-260}" ]; then echo "no time left for a warm run ($left s)"; break; fi
   s=$(date +%s)
   # --line-buffered: a run cut short by the timeout still leaves its last lines in the log.
-  timeout "$left" python3 -m nox --no-venv -s pilot-sm90 -- --host "$@" 2>&1 | grep --line-buffered -v 'tilelang.jit.kernel:INFO' | tee "$OUT/pilot-$run.log"
+  timeout "$left" python3 -m nox --no-venv -s "$session" -- --host "${extra[@]+"${extra[@]}"}" "$@" 2>&1 | grep --line-buffered -v 'tilelang.jit.kernel:INFO' | tee "$OUT/pilot-$run.log"
   rc=${PIPESTATUS[0]}
   echo "pilot $run rc=$rc wall=$(( $(date +%s) - s ))s" | tee -a "$OUT/pilot-$run.log"
   # Packed after every run: a call cut short still brings back what finished.
