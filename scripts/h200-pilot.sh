@@ -5,17 +5,18 @@
 #   PROFILE=1: then Nsight Compute over scripts/h200-profile.py, into $OUT/ncu.csv
 # A first run starts from an empty compile cache (cold); when time is left (REPEAT_IF_LEFT seconds
 # of LIMIT), the same commit is measured again, warm, for the reproducibility and warm-time figures.
+# The pages are published where the results are merged (--no-publish here).
 # RUNS=cold or RUNS=warm runs one of them: a pilot too long for both in one call's 600 s is measured
 # cold in one call and warm in the next, made while the machine is still warm (its /tmp cache kept).
 # An A/B side on its own stack: BUNDLE=.device-0.1.14 SESSION=ab-sm90 scripts/h200-pilot.sh --tilelang 0.1.14
 # (the side's site directory is handed to the session with --site; the bundle carries the same commit).
 set -uo pipefail
-# results/ (the committed history) comes from the bundle: with it the tree would pass the 64 MiB a
-# device call carries, so the call is made with results/ out of the checkout here
-# (`git sparse-checkout set --no-cone '/*' '!/results/'`, undone by `git sparse-checkout disable`).
 bundle=${BUNDLE:-.device}
 session=${SESSION:-pilot-sm90}
-git fetch -q "$bundle/repo.bundle" HEAD && git reset -q FETCH_HEAD && git checkout -q -- results
+# results/ (the committed history) and docs/ come from the bundle: with them the tree would pass the
+# 64 MiB a call carries, so the call is made with both out of the checkout (device-bundle.sh says how);
+# both are restored here, or the pilot would see a dirty tree.
+git fetch -q "$bundle/repo.bundle" HEAD && git reset -q FETCH_HEAD && git checkout -q -- results docs
 # One site and one compile cache per bundle: a warm machine keeps /tmp, and two stacks must never mix.
 tag=$(basename "$bundle")
 site=/tmp/s$tag/site
@@ -27,6 +28,20 @@ extra=()
 # One case that hangs fails alone, in its supervised child, instead of holding the whole call (the pilot's
 # own default is 600 s, a call's whole length: 2026-12-05's H100 run lost its call so).
 export TILEPILOT_CASE_TIMEOUT=${CASE_TIMEOUT:-120}
+# Minimizing a failed case's reproducer compiles and runs it again and again: bounded for the whole run,
+# so that a wrong kernel costs seconds of the call, not all of it (2026-12-05: 8 silent minutes).
+export TILEPILOT_REPRO_BUDGET_S=${REPRO_BUDGET:-30}
+# Only what this call wrote goes back (a call returns files of at most 16 MiB: the whole history is 23 MB);
+# `tilepilot merge` takes such a partial tree. Each run's log, without TileLang's INFO lines, beside it.
+marker=$(mktemp)
+pack() {
+  { find results/records results/asv results/repro -type f -newer "$marker" 2>/dev/null
+    find results/asv -name machine.json; } | sort -u > /tmp/pack.list
+  tar -czf "$OUT/results.tgz" -T /tmp/pack.list
+  for log in $(find results/records -name pilot.log -newer "$marker"); do
+    grep -v 'INFO' "$log" | tail -60 > "$OUT/tail-$(basename "$(dirname "$log")").log"
+  done
+}
 limit=${LIMIT:-570}
 t0=$(date +%s)
 for run in ${RUNS:-cold warm}; do
@@ -34,11 +49,10 @@ for run in ${RUNS:-cold warm}; do
   if [ "$run" = warm ] && [ "${RUNS:-}" != warm ] && [ "$left" -lt "${REPEAT_IF_LEFT:-260}" ]; then echo "no time left for a warm run ($left s)"; break; fi
   s=$(date +%s)
   # --line-buffered: a run cut short by the timeout still leaves its last lines in the log.
-  timeout "$left" python3 -m nox --no-venv -s "$session" -- --host "${extra[@]+"${extra[@]}"}" "$@" 2>&1 | grep --line-buffered -v 'tilelang.jit.kernel:INFO' | tee "$OUT/pilot-$run.log"
+  timeout "$left" python3 -m nox --no-venv -s "$session" -- --host --no-publish "${extra[@]+"${extra[@]}"}" "$@" 2>&1 | grep --line-buffered -v 'tilelang.jit.kernel:INFO' | tee "$OUT/pilot-$run.log"
   rc=${PIPESTATUS[0]}
   echo "pilot $run rc=$rc wall=$(( $(date +%s) - s ))s" | tee -a "$OUT/pilot-$run.log"
-  # Packed after every run: a call cut short still brings back what finished.
-  tar -czf "$OUT/results.tgz" results/records results/asv $(ls -d results/repro html 2>/dev/null)
+  pack  # after every run: a call cut short still brings back what finished
   [ "$rc" -eq 0 ] || break
 done
 # The reproducer's GPU path (minimizing a wrong-values kernel by running it), when time is left.
@@ -54,5 +68,5 @@ if [ "${PROFILE:-0}" = 1 ] && [ "$left" -gt 60 ]; then
     python3 scripts/h200-profile.py > "$OUT/ncu.csv" 2> "$OUT/ncu.err"
   echo "ncu rc=$? lines=$(wc -l < "$OUT/ncu.csv")"
 fi
-tar -czf "$OUT/results.tgz" results/records results/asv $(ls -d results/repro html 2>/dev/null)
+pack
 exit "$rc"

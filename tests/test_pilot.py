@@ -42,6 +42,15 @@ def only_run(results: Path) -> Path:
     return sorted(commit.iterdir())[-1]
 
 
+@pytest.mark.parametrize(("name", "value"), [("TILEPILOT_REPRO_BUDGET_S", "-5"), ("TILEPILOT_CASE_TIMEOUT", "soon")])
+def test_a_bad_duration_is_one_line(tmp_path: Path, name: str, value: str) -> None:
+    r = run_pilot(tmp_path / "results", tmp_path / "cache", *COMPILE_ONLY, **{name: value})
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{name}={value}: not a number of seconds" in lines[0], r.stderr
+    assert not (tmp_path / "results" / "records").exists()
+
+
 def test_hang_and_crash_are_contained(tmp_path: Path) -> None:
     results, cache = tmp_path / "results", tmp_path / "cache"
     r = run_pilot(

@@ -72,6 +72,23 @@ def test_compile_failure_is_minimized_and_reproduces(patched: pytest.MonkeyPatch
     assert "REPRODUCED: the compile fails" in proc.stdout and "K shape check failed" in proc.stderr
 
 
+def test_a_spent_budget_keeps_the_failing_shape(patched: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The pilot's time for minimizing is bounded (TILEPILOT_REPRO_BUDGET_S): with none left, the
+    reproducer is written at the failing shape, says why, and still reproduces."""
+    from broken_kernels import gemm_program
+
+    patched.setattr(operator_module("gemm"), "program", gemm_program)
+    with pytest.raises(_dispatch.CompileFailed) as exc:
+        operator_module("gemm").build(4096, 4096, 4096, "nt", "float16", "sm90", cfg={"block_M": 128})
+    out = repro.write(CASE, "sm90", "compile", str(exc.value), root=tmp_path, budget_s=0)
+    info = repro.summary(out)
+    assert not info["minimized"] and info["shrink_steps"] == []
+    assert info["minimized_dims"] == info["original_dims"] == {"m": 4096, "n": 4096, "k": 4096}
+    assert "TILEPILOT_REPRO_BUDGET_S" in info["not_minimized_because"]
+    proc = _run(out / "repro.py")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+
+
 def test_wrong_values_reproducer(patched: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The kernel compiles but drops its last K tile. On the GPU the reproducer is minimized by
     running it and exits 1; elsewhere it compiles, says it cannot run, and exits 2."""

@@ -54,6 +54,9 @@ class Run:
     cache: Path
     cold: str = "changed"
     case_timeout_s: float = 600.0
+    # Seconds the whole run may spend minimizing reproducers (TILEPILOT_REPRO_BUDGET_S). Each try is a
+    # compile and a run: unbounded, two wrong cases held an H100 pilot silent for 8 minutes (2026-12-05).
+    repro_budget_s: float = 300.0
     on_gpu: bool = False
     compile_only: bool = False
     unpinned: list[str] = field(default_factory=list)
@@ -70,6 +73,21 @@ class Run:
     @property
     def repro_root(self) -> Path:
         return paths.current().results / "repro"
+
+    def reproduce(self, case: cases.Case, kind: str, message: str, **kw: Any) -> Path:
+        """The failed case's reproducer, minimized within what is left of the run's budget for it;
+        said first, since minimizing runs compiles (and, on the GPU, the kernel) with no output."""
+        from tilepilot import repro
+
+        left = self.repro_budget_s
+        if left > 0:
+            say(
+                f"{case.id}: minimizing its {kind} reproducer (at most {left:.0f}s of the run's {self.repro_budget_s:.0f}s)"
+            )
+        t0 = time.perf_counter()
+        path = repro.write(case, self.device, kind, message, root=self.repro_root, budget_s=left, **kw)
+        self.repro_budget_s = max(0.0, left - (time.perf_counter() - t0))
+        return path
 
     @property
     def dir(self) -> Path:
@@ -291,18 +309,10 @@ def step_build(run: Run, prev: dict[str, Any]) -> BuildResult:
     by_id = {c.id: c for c in sel}
     for r in bad:
         if r["status"] == "compile-failed":  # the smallest shape that still fails, with the compiler's log
-            from tilepilot import repro
-
             diag = Path(r["diagnostics"]).read_text(encoding="utf-8") if r.get("diagnostics") else ""
             r["repro"] = _rel(
-                repro.write(
-                    by_id[r["case"]],
-                    run.device,
-                    "compile",
-                    "; ".join(r.get("error", [])),
-                    diagnostics=diag,
-                    cfg=r.get("config"),
-                    root=run.repro_root,
+                run.reproduce(
+                    by_id[r["case"]], "compile", "; ".join(r.get("error", [])), diagnostics=diag, cfg=r.get("config")
                 )
             )
     record.write_json(
@@ -356,7 +366,7 @@ def step_correctness(run: Run, prev: dict[str, Any]) -> CorrectnessResult:
     """The cases in a supervised child (tilepilot.supervise): a case that crashes its process or
     hangs is killed, recorded as failed with its reproducer, and the rest of the cases run on in a
     fresh child. Its failures: why the step failed or could not run (empty: every case passed)."""
-    from tilepilot import repro, supervise
+    from tilepilot import supervise
 
     t0 = time.perf_counter()
     sel = run.sel
@@ -378,7 +388,7 @@ def step_correctness(run: Run, prev: dict[str, Any]) -> CorrectnessResult:
         case = by_id[cid]
         say(f"correctness: {cid}: {how}; recorded as failed, the other cases go on")
         kind = "hang" if how.startswith("hung") else "crash"
-        path = repro.write(case, run.device, kind, how, root=run.repro_root, on_device=run.on_gpu)
+        path = run.reproduce(case, kind, how, on_device=run.on_gpu)
         dead[cid] = {"case": cid, "group": case.group, "status": "failed", "why": how, "repro": _rel(path)}
 
     try:
@@ -393,13 +403,8 @@ def step_correctness(run: Run, prev: dict[str, Any]) -> CorrectnessResult:
     rows.update(dead)
     for row in rows.values():  # wrong values: the reproducer, minimized on the device
         if (row["status"] == "failed" or row.get("kernel_status") == "failed") and "repro" not in row:
-            path = repro.write(
-                by_id[row["case"]],
-                run.device,
-                "wrong",
-                json.dumps(row.get("trials", row))[:4000],
-                root=run.repro_root,
-                on_device=run.on_gpu,
+            path = run.reproduce(
+                by_id[row["case"]], "wrong", json.dumps(row.get("trials", row))[:4000], on_device=run.on_gpu
             )
             row["repro"] = _rel(path)
     failures = _correctness_failures(run, sel, rows, got.could_not_run)
@@ -716,6 +721,19 @@ def _host_gpu(dev: matrix.Device) -> str | None:
     return None
 
 
+def _seconds(name: str, default: float, zero: bool = False) -> float:
+    """A duration from the environment; a bad one is the user's error, in one line."""
+    raw = os.environ.get(name)
+    try:
+        value = default if raw is None else float(raw)
+    except ValueError:
+        value = -1.0
+    if not (value > 0 or (zero and value == 0)) or value != value or value == float("inf"):
+        floor = "0 or more" if zero else "more than 0"
+        raise UserError(f"{name}={raw}: not a number of seconds ({floor}); unset it for {default:.0f}")
+    return value
+
+
 def pilot(
     device: str,
     *,
@@ -771,9 +789,10 @@ def pilot(
     if wrong:  # an A/B side is the stack it says, or it is nothing
         raise UserError(f"--stack: this environment has {', '.join(wrong)}: install the side's stack first")
     cache = Path(os.environ.get("TILEPILOT_CACHE", Path.home() / ".cache" / "tilepilot" / device))
-    timeout = float(os.environ.get("TILEPILOT_CASE_TIMEOUT", "600"))
+    timeout = _seconds("TILEPILOT_CASE_TIMEOUT", 600.0)
     run = Run(device, mx, env, pattern, workers or max(1, (os.cpu_count() or 2)), trials, cache, cold, timeout)
     run.on_gpu, run.compile_only = on_gpu and not compile_only, compile_only
+    run.repro_budget_s = _seconds("TILEPILOT_REPRO_BUDGET_S", 300.0, zero=True)
     run.unpinned, run.allow_unpinned = unpinned, allow_unpinned
     run.off_pin = stack.off_pin(dev, env)
     # A side declared with --stack is off its pins on purpose: those differences need no --allow-unpinned

@@ -216,8 +216,10 @@ def write(
     on_device: bool = False,
     timeout_s: float = 120.0,
     max_tries: int = 40,
+    budget_s: float = 300.0,
 ) -> Path:
-    """Write the reproducer folder for a failed case, minimizing its shape where that can run here."""
+    """Write the reproducer folder for a failed case, minimizing its shape where that can run here,
+    within `budget_s` (at or below 0: written at the failing shape, not minimized)."""
     from tilepilot import build
 
     if kind not in KINDS:
@@ -230,7 +232,10 @@ def write(
     original = registry.of(case).shrink_dims(case)
     fails: Callable[[dict[str, int]], bool] | None = None
     why_not = ""
-    if kind == "compile":
+    timeout_s = min(timeout_s, max(budget_s, 1.0))  # one try never outlasts the budget by more than itself
+    if budget_s <= 0:
+        why_not = "the run's time for minimizing reproducers (TILEPILOT_REPRO_BUDGET_S) was spent: kept at its shape"
+    elif kind == "compile":
         fails = _compile_fails(case, device, cfg, message)
     elif on_device:
         fails = _script_fails(case, device, kind, cfg, seed, timeout_s)
@@ -239,7 +244,7 @@ def write(
     dims, log = original, list[dict[str, Any]]()
     t0 = time.perf_counter()
     if fails is not None:
-        dims, log = minimize(original, fails, dims_space(case), max_tries=max_tries)
+        dims, log = minimize(original, fails, dims_space(case), max_tries=max_tries, budget_s=budget_s)
     small = _with_dims(case, dims)
     (out / "repro.py").write_text(render(case, device, kind, dims, cfg, seed), encoding="utf-8")
     try:  # the generated source at the minimized shape, when the compile gets that far
