@@ -17,6 +17,13 @@ session=${SESSION:-pilot-sm90}
 # 64 MiB a call carries, so the call is made with both out of the checkout (device-bundle.sh says how);
 # both are restored here, or the pilot would see a dirty tree.
 git fetch -q "$bundle/repo.bundle" HEAD && git reset -q FETCH_HEAD && git checkout -q -- results docs
+# A carried tree that is not the bundle's commit makes a dirty run, which the gate never judges: say so
+# before any device time goes to it (2026-12-05: a bundle one test commit behind the checkout).
+if [ -n "$(git status --porcelain --untracked-files=no)" ]; then
+  echo "h200-pilot: the carried checkout differs from $bundle/repo.bundle's commit; run scripts/device-bundle.sh at HEAD:" >&2
+  git status --short --untracked-files=no | head -5 >&2
+  exit 2
+fi
 # One site and one compile cache per bundle: a warm machine keeps /tmp, and two stacks must never mix.
 tag=$(basename "$bundle")
 site=/tmp/s$tag/site
