@@ -2,9 +2,11 @@
 sweep against torch.matmul, timed as the pilot times (L2 flushed, alternating batches), and as
 bandwidth against the run's measured copy ceiling. For choosing sm90's small-M rules before a pilot.
 `--swiglu` sweeps the fused gate-up + SiLU·mul kernel the same way, against the eager MLP op and the
-same op under torch.compile (default mode).
+same op under torch.compile (default mode). `--split-k 2,4,8` adds kernels.gemm.splitk's configs (fp32
+partials over split_k K ranges, then one reduction kernel; both timed as one op) for the GEMM shapes.
 
     PYTHONPATH=$PWD:<site> python3 scripts/h200-smallm-probe.py OUT.json [--m 1,16,64] [--workers 16] [--swiglu]
+        [--split-k 2,4,8]
 
 Every config is compiled in a worker pool first (TileLang's disk cache then serves the main process),
 and checked against a float64 product (output poisoned first) before it is timed.
@@ -38,6 +40,14 @@ def configs() -> list[dict[str, int]]:
     return out
 
 
+def splitk_configs(splits: list[int], k: int) -> list[dict[str, int]]:
+    out = []
+    for s, bn, st in itertools.product(splits, (64, 128), (4, 6)):
+        if k % (128 * s) == 0:
+            out.append({"block_M": 64, "block_N": bn, "block_K": 128, "num_stages": st, "threads": 128, "split_k": s})
+    return out
+
+
 def swiglu_configs() -> list[dict[str, int]]:
     out = []
     for bn, bk, st in itertools.product((16, 32, 64), (64, 128, 256), (3, 4, 6)):
@@ -47,12 +57,16 @@ def swiglu_configs() -> list[dict[str, int]]:
     return out
 
 
-def _program(m: int, n: int, k: int, layout: str, cfg: dict[str, int]) -> Any:
+def _programs(m: int, n: int, k: int, layout: str, cfg: dict[str, int]) -> list[Any]:
     import importlib
 
     if layout == "swiglu":  # n is the intermediate size, k the hidden size
-        return importlib.import_module("kernels.swiglu").program(m, k, n, "bfloat16", cfg)
-    return importlib.import_module("kernels.gemm").program(m, n, k, layout, "bfloat16", cfg)
+        return [importlib.import_module("kernels.swiglu").program(m, k, n, "bfloat16", cfg)]
+    if "split_k" in cfg:
+        from kernels.gemm import splitk
+
+        return [splitk.partials(m, n, k, layout, "bfloat16", cfg), splitk.reduce(m, n, cfg["split_k"], "bfloat16")]
+    return [importlib.import_module("kernels.gemm").program(m, n, k, layout, "bfloat16", cfg)]
 
 
 def _compile(job: tuple[int, int, int, str, dict[str, int]]) -> str:
@@ -60,10 +74,21 @@ def _compile(job: tuple[int, int, int, str, dict[str, int]]) -> str:
 
     m, n, k, layout, cfg = job
     try:
-        tilelang.compile(_program(m, n, k, layout, cfg), target=TARGET)
+        for prog in _programs(m, n, k, layout, cfg):
+            tilelang.compile(prog, target=TARGET)
         return ""
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+
+
+def _split_op(kp: Any, kr: Any, a: Any, b: Any, part: Any, c: Any) -> Any:
+    """The split-K GEMM as one op: the partials' kernel, then the reduction's."""
+
+    def op() -> None:
+        kp(a, b, part)
+        kr(part, c)
+
+    return op
 
 
 def main() -> int:
@@ -73,6 +98,7 @@ def main() -> int:
     ap.add_argument("--layouts", default="nt")
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--swiglu", action="store_true", help="also sweep kernels.swiglu at the same M")
+    ap.add_argument("--split-k", default="", help="also sweep kernels.gemm.splitk with these splits (2,4,8)")
     args = ap.parse_args()
     os.environ["TILELANG_CACHE_DIR"] = "/tmp/smallm-cache"
     shapes = [
@@ -84,10 +110,14 @@ def main() -> int:
     if args.swiglu:
         shapes += [(m, 14336, 4096, "swiglu", "swiglu") for m in map(int, args.m.split(","))]
 
-    def sweep(lay: str) -> list[dict[str, int]]:
-        return swiglu_configs() if lay == "swiglu" else configs()
+    splits = [int(x) for x in args.split_k.split(",") if x.strip()]
 
-    jobs = [(m, n, k, lay, cfg) for m, n, k, lay, _ in shapes for cfg in sweep(lay)]
+    def sweep(lay: str, k: int) -> list[dict[str, int]]:
+        if lay == "swiglu":
+            return swiglu_configs()
+        return configs() + (splitk_configs(splits, k) if lay == "nt" else [])
+
+    jobs = [(m, n, k, lay, cfg) for m, n, k, lay, _ in shapes for cfg in sweep(lay, k)]
     t0 = time.perf_counter()
     import multiprocessing as mp
 
@@ -133,22 +163,28 @@ def main() -> int:
         row["torch_us"] = r["median_ms"] * 1e3
         row["torch_pct_copy"] = 100 * nbytes / (r["median_ms"] * 1e-3) / 1e12 / ceil["copy_tbps"]
         best = None
-        for cfg in sweep(lay):
+        for cfg in sweep(lay, k):
             entry: dict[str, Any] = {"cfg": cfg}
             if j in failed:
                 entry["error"] = errors[j]
             else:
                 try:
-                    kern = tilelang.compile(_program(m, n, k, lay, cfg), target=TARGET)
+                    kerns = [tilelang.compile(p, target=TARGET) for p in _programs(m, n, k, lay, cfg)]
                     c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)  # poisoned
-                    kern(a, b, c)
+                    if "split_k" in cfg:  # the partials poisoned too: a split that writes nothing shows
+                        part = torch.full((cfg["split_k"], m, n), float("nan"), device="cuda")
+
+                        op = _split_op(kerns[0], kerns[1], a, b, part, c)
+                    else:
+                        op = functools.partial(kerns[0], a, b, c)
+                    op()
                     torch.cuda.synchronize()
                     err = float((c.double() - exact).norm() / exact.norm())
                     entry["rel_fro"] = err
                     if not err < 8e-3:
                         entry["error"] = f"wrong: rel_fro {err}"
                     else:
-                        fns: dict[str, Any] = {"k": functools.partial(kern, a, b, c), "r": ref}
+                        fns: dict[str, Any] = {"k": op, "r": ref}
                         if lay == "swiglu":
                             fns["c"] = functools.partial(compiled, a, b)
                         s = timing.sample_many(fns, flush, clocks)
