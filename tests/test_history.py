@@ -83,14 +83,15 @@ def test_migrate_renames_the_history_and_keeps_the_latencies(tmp_path: Path) -> 
     _unmigrate(asv_dir)
     assert history.old_names(asv_dir)
     done = history.migrate(asv_dir)
-    assert len(done) == len(list((RESULTS / "asv" / MACHINE).glob("*-*.json"))) + 1, done
+    # Every machine's results (the H200's and the H100's histories) and benchmarks.json.
+    assert len(done) == len(list((RESULTS / "asv").glob("*/*-*.json"))) + 1, done
     assert history.migrate(asv_dir) == [] and not history.old_names(asv_dir)  # idempotent
     committed = json.loads((RESULTS / "asv" / "benchmarks.json").read_text())
     assert json.loads((asv_dir / "benchmarks.json").read_text()) == committed
-    for f in (RESULTS / "asv" / MACHINE).glob("*-*.json"):
+    for f in (RESULTS / "asv").glob("*/*-*.json"):
         want, got = (
             json.loads(f.read_text())["results"],
-            json.loads((asv_dir / MACHINE / f.name).read_text())["results"],
+            json.loads((asv_dir / f.relative_to(RESULTS / "asv")).read_text())["results"],
         )
         assert list(got) == list(want), f.name  # names, in asv's order
         for name, row in want.items():

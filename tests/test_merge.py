@@ -112,8 +112,11 @@ def test_union_of_two_hosts_is_the_history_and_a_second_merge_changes_nothing(tm
     assert sum(d.startswith("add records") for d, _ in p.actions) == sum(
         len(list((RESULTS / "records" / MACHINE / c).iterdir())) for c in COMMITS
     )
+    # The union is this machine's committed history (the other machines' histories are not sources here).
     for sub in ("records", "asv"):
-        assert merge._same_tree(into / sub, RESULTS / sub), sub
+        assert merge._same_tree(into / sub / MACHINE, RESULTS / sub / MACHINE), sub
+    assert sorted(p.name for p in (into / "asv").iterdir()) == ["benchmarks.json", MACHINE]
+    assert (into / "asv" / "benchmarks.json").read_bytes() == (RESULTS / "asv" / "benchmarks.json").read_bytes()
     before = _digest(into)
     again = merge.merge([a, b], into)
     assert again.actions == [] and again.skipped > 0 and _digest(into) == before
