@@ -16,12 +16,15 @@ session=${SESSION:-pilot-sm90}
 # results/ (the committed history) and docs/ come from the bundle: with them the tree would pass the
 # 64 MiB a call carries, so the call is made with both out of the checkout (device-bundle.sh says how);
 # both are restored here, or the pilot would see a dirty tree.
-git fetch -q "$bundle/repo.bundle" HEAD && git reset -q FETCH_HEAD && git checkout -q -- results docs
+git fetch -q "$bundle/repo.bundle" HEAD && git reset -q FETCH_HEAD && git checkout -q -- results docs \
+  || { echo "h200-pilot: cannot restore the checkout from $bundle/repo.bundle (run scripts/device-bundle.sh, carry $bundle)" >&2; exit 2; }
 # A carried tree that is not the bundle's commit makes a dirty run, which the gate never judges: say so
 # before any device time goes to it (2026-12-05: a bundle one test commit behind the checkout).
-if [ -n "$(git status --porcelain --untracked-files=no)" ]; then
+# Untracked files count too, outside results/ (the run writes there) and the carried bundles.
+dirty=$(git status --porcelain | grep -v -e ' results/' -e ' \.device')
+if [ -n "$dirty" ]; then
   echo "h200-pilot: the carried checkout differs from $bundle/repo.bundle's commit; run scripts/device-bundle.sh at HEAD:" >&2
-  git status --short --untracked-files=no | head -5 >&2
+  echo "$dirty" | head -5 >&2
   exit 2
 fi
 # One site and one compile cache per bundle: a warm machine keeps /tmp, and two stacks must never mix.

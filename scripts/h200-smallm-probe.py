@@ -31,10 +31,16 @@ PROJ = {"qkv": (6144, 4096), "o": (4096, 4096), "gateup": (28672, 4096), "down":
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
 
 
+def fits(bn: int, bk: int, stages: int, b_tiles: int = 1) -> bool:
+    """The staged A (64 rows) and B tiles of 2-byte elements fit a block's shared memory, with margin
+    under the H100/H200's 227 KiB: a config past it builds, then fails at launch."""
+    return (64 * bk + b_tiles * bn * bk) * 2 * stages <= 200 * 1024
+
+
 def configs() -> list[dict[str, int]]:
     out = []
     for bn, bk, st in itertools.product((16, 32, 64), (128, 256), (3, 4, 6)):
-        if (64 * bk + bn * bk) * 2 * st > 200 * 1024:  # shared memory per block, with margin
+        if not fits(bn, bk, st):
             continue
         out.append({"block_M": 64, "block_N": bn, "block_K": bk, "num_stages": st, "threads": 128})
     return out
@@ -43,7 +49,7 @@ def configs() -> list[dict[str, int]]:
 def splitk_configs(splits: list[int], k: int) -> list[dict[str, int]]:
     out = []
     for s, bn, st in itertools.product(splits, (64, 128), (4, 6)):
-        if k % (128 * s) == 0:
+        if k % (128 * s) == 0 and fits(bn, 128, st):
             out.append({"block_M": 64, "block_N": bn, "block_K": 128, "num_stages": st, "threads": 128, "split_k": s})
     return out
 
@@ -51,7 +57,7 @@ def splitk_configs(splits: list[int], k: int) -> list[dict[str, int]]:
 def swiglu_configs() -> list[dict[str, int]]:
     out = []
     for bn, bk, st in itertools.product((16, 32, 64), (64, 128, 256), (3, 4, 6)):
-        if (64 * bk + 2 * bn * bk) * 2 * st > 200 * 1024:
+        if not fits(bn, bk, st, b_tiles=2):  # gate and up tiles
             continue
         out.append({"block_M": 64, "block_N": bn, "block_K": bk, "num_stages": st, "threads": 128})
     return out

@@ -74,8 +74,12 @@ def _lower(case: cases.Case, device: str) -> tuple[str, dict[str, Any], int]:
     target = tvm.target.Target(_config.target(device))
     with tvm.transform.PassContext(opt_level=3, config=passes), target:
         artifact = lower(_program(case, ch.config), target=target, enable_host_codegen=True)
-    smem = [int(f.attrs.get("dyn_shared_memory_buf", 0)) for f in artifact.device_mod.functions.values() if f.attrs]
-    return str(artifact.kernel_source), passes, max(smem, default=0)
+    attrs = [f.attrs for f in artifact.device_mod.functions.values() if f.attrs]
+    smem = [int(a["dyn_shared_memory_buf"]) for a in attrs if "dyn_shared_memory_buf" in a]
+    # Every kernel here stages tiles in shared memory: none that says how much means the attribute
+    # moved (a TileLang upgrade), and a silent 0 would pass any config.
+    assert smem, f"{case.id}: no device function of the lowering carries dyn_shared_memory_buf"
+    return str(artifact.kernel_source), passes, max(smem)
 
 
 def _nvcc(sources: list[str], device: str, passes: dict[str, Any]) -> bytes:

@@ -49,6 +49,16 @@ def test_a_bad_duration_is_one_line(tmp_path: Path, name: str, value: str) -> No
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and f"{name}={value}: not a number of seconds" in lines[0], r.stderr
     assert not (tmp_path / "results" / "records").exists()
+    # In container mode too, before an image is built (the image's pilot would read it only after).
+    env = {
+        **os.environ,
+        "TILEPILOT_RESULTS": str(tmp_path / "results"),
+        name: value,
+        "DOCKER_HOST": "unix:///nonexistent",
+    }
+    cmd = [sys.executable, "-m", "tilepilot", "pilot", "--device", "sm90", "--cases", CASES, *COMPILE_ONLY]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120, check=False)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == lines, r.stdout + r.stderr
 
 
 def test_hang_and_crash_are_contained(tmp_path: Path) -> None:

@@ -27,14 +27,24 @@ def test_minimize_finds_the_smallest_failing_shape() -> None:
         probes.append(d)
         return d["k"] > 40 and d["m"] >= 3
 
-    dims, log = repro.minimize({"m": 4096, "n": 4096, "k": 4096}, fails, ["m", "n", "k"], max_tries=40)
-    assert dims == {"m": 3, "n": 1, "k": 41}
+    dims, log, stopped = repro.minimize({"m": 4096, "n": 4096, "k": 4096}, fails, ["m", "n", "k"], max_tries=40)
+    assert dims == {"m": 3, "n": 1, "k": 41} and stopped == ""
     assert len(log) == len(probes) <= 36 and all(fails(s["dims"]) == s["fails"] for s in log)
 
 
 def test_minimize_keeps_the_shape_when_nothing_smaller_fails() -> None:
-    dims, _ = repro.minimize({"m": 64, "n": 8}, lambda d: d == {"m": 64, "n": 8}, ["m", "n"])
-    assert dims == {"m": 64, "n": 8}
+    dims, _, stopped = repro.minimize({"m": 64, "n": 8}, lambda d: d == {"m": 64, "n": 8}, ["m", "n"])
+    assert dims == {"m": 64, "n": 8} and stopped == ""
+
+
+def test_minimize_cut_short_says_why() -> None:
+    """Out of tries or out of time, the shape still fails but may not be the smallest: it says so."""
+    fails = lambda d: d["k"] > 40  # noqa: E731
+    dims, log, stopped = repro.minimize({"m": 4096, "k": 4096}, fails, ["m", "k"], max_tries=3)
+    assert len(log) == 3 and stopped.startswith("max_tries") and dims["k"] == 4096 and fails(dims)
+    # A try that may take longer than the budget (a hang's timeout) never starts: no try is cut short.
+    dims, log, stopped = repro.minimize({"m": 4096, "k": 4096}, fails, ["m", "k"], budget_s=60, try_s=120)
+    assert log == [] and stopped.startswith("budget") and dims == {"m": 4096, "k": 4096}
 
 
 @pytest.fixture
@@ -64,6 +74,7 @@ def test_compile_failure_is_minimized_and_reproduces(patched: pytest.MonkeyPatch
     info = repro.summary(out)
     # The K check fails at every shape: each dimension bisects down to 1.
     assert info["minimized"] and info["minimized_dims"] == {"m": 1, "n": 1, "k": 1}
+    assert info["complete"] and info["stopped_because"] == ""
     assert info["original_dims"] == {"m": 4096, "n": 4096, "k": 4096}
     assert {p.name for p in out.iterdir()} >= {"repro.py", "diagnostics.log", "env.json", "failure.json"}
     assert json.loads((out / "env.json").read_text())["tilelang"] == "0.1.15"
@@ -82,7 +93,7 @@ def test_a_spent_budget_keeps_the_failing_shape(patched: pytest.MonkeyPatch, tmp
         operator_module("gemm").build(4096, 4096, 4096, "nt", "float16", "sm90", cfg={"block_M": 128})
     out = repro.write(CASE, "sm90", "compile", str(exc.value), root=tmp_path, budget_s=0)
     info = repro.summary(out)
-    assert not info["minimized"] and info["shrink_steps"] == []
+    assert not info["minimized"] and not info["complete"] and info["shrink_steps"] == []
     assert info["minimized_dims"] == info["original_dims"] == {"m": 4096, "n": 4096, "k": 4096}
     assert "TILEPILOT_REPRO_BUDGET_S" in info["not_minimized_because"]
     proc = _run(out / "repro.py")

@@ -39,16 +39,17 @@ def test_compiles(arch: str, m: int, n: int, k: int, split: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("m", "n", "k", "split", "says"),
+    ("m", "n", "k", "split", "block_n", "says"),
     [
-        (16, 4096, 4096, 3, "K=4096 is not a multiple of block_K*split_k=128*3"),
-        (16, 4000, 4096, 2, "N=4000 is not a multiple of the reduction's 256 columns"),
-        (0, 4096, 4096, 2, "M=0"),
+        (16, 4096, 4096, 3, 64, "K=4096 is not a multiple of block_K*split_k=128*3"),
+        (16, 4000, 4096, 2, 64, "N=4000 is not a multiple of the reduction's 256 columns"),
+        (16, 4096, 4096, 2, 96, "N=4096 is not a multiple of block_N=96"),  # its store has no column guard
+        (0, 4096, 4096, 2, 64, "M=0"),
     ],
 )
-def test_domain_is_refused_in_one_line(m: int, n: int, k: int, split: int, says: str) -> None:
+def test_domain_is_refused_in_one_line(m: int, n: int, k: int, split: int, block_n: int, says: str) -> None:
     with pytest.raises(ValueError, match="split-K") as exc:
-        splitk.partials(m, n, k, "nt", "bfloat16", {**CFG, "split_k": split})
+        splitk.partials(m, n, k, "nt", "bfloat16", {**CFG, "split_k": split, "block_N": block_n})
     assert says in str(exc.value) and "\n" not in str(exc.value)
 
 

@@ -486,7 +486,8 @@ def run(mx: matrix.Matrix, device: str, tag: str, args: list[str], matrix_path: 
         "GIT_CONFIG_KEY_0": "safe.directory",
         "GIT_CONFIG_VALUE_0": "*",
     }
-    env.update({k: v for k, v in os.environ.items() if k in ("TILEPILOT_INJECT", "TILEPILOT_CASE_TIMEOUT")})
+    passed = ("TILEPILOT_INJECT", "TILEPILOT_CASE_TIMEOUT", "TILEPILOT_REPRO_BUDGET_S")  # the run's own settings
+    env.update({k: v for k, v in os.environ.items() if k in passed})
     cmd = ["python", "-m", "tilepilot", "--matrix", inner_matrix, "pilot", "--device", device, "--host", *args]
     log(f"tilepilot: running the pilot in {tag} (network none, uid {os.getuid()})")
     try:

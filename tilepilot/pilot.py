@@ -55,7 +55,9 @@ class Run:
     cold: str = "changed"
     case_timeout_s: float = 600.0
     # Seconds the whole run may spend minimizing reproducers (TILEPILOT_REPRO_BUDGET_S). Each try is a
-    # compile and a run: unbounded, two wrong cases held an H100 pilot silent for 8 minutes (2026-12-05).
+    # compile and a run: unbounded, four wrong cases held an H100 pilot silent for 8 minutes (2026-12-05).
+    # repro_budget_s is what is left of repro_total_s.
+    repro_total_s: float = 300.0
     repro_budget_s: float = 300.0
     on_gpu: bool = False
     compile_only: bool = False
@@ -82,7 +84,7 @@ class Run:
         left = self.repro_budget_s
         if left > 0:
             say(
-                f"{case.id}: minimizing its {kind} reproducer (at most {left:.0f}s of the run's {self.repro_budget_s:.0f}s)"
+                f"{case.id}: minimizing its {kind} reproducer ({left:.0f}s left of the run's {self.repro_total_s:.0f}s)"
             )
         t0 = time.perf_counter()
         path = repro.write(case, self.device, kind, message, root=self.repro_root, budget_s=left, **kw)
@@ -754,6 +756,9 @@ def pilot(
     dev = mx.device(device)
     if trials < 1:
         raise UserError(f"--trials {trials}: must be at least 1")
+    # Checked here, before an image is built: in container mode the image's pilot reads them again.
+    timeout = _seconds("TILEPILOT_CASE_TIMEOUT", 600.0)
+    repro_s = _seconds("TILEPILOT_REPRO_BUDGET_S", 300.0, zero=True)
     sel = cases.expand(mx, pattern)
     if not sel:  # before anything runs, the image build included
         raise UserError(f"--cases {pattern!r} matches no case in matrix.toml (`tilepilot cases` lists them)")
@@ -789,10 +794,9 @@ def pilot(
     if wrong:  # an A/B side is the stack it says, or it is nothing
         raise UserError(f"--stack: this environment has {', '.join(wrong)}: install the side's stack first")
     cache = Path(os.environ.get("TILEPILOT_CACHE", Path.home() / ".cache" / "tilepilot" / device))
-    timeout = _seconds("TILEPILOT_CASE_TIMEOUT", 600.0)
     run = Run(device, mx, env, pattern, workers or max(1, (os.cpu_count() or 2)), trials, cache, cold, timeout)
     run.on_gpu, run.compile_only = on_gpu and not compile_only, compile_only
-    run.repro_budget_s = _seconds("TILEPILOT_REPRO_BUDGET_S", 300.0, zero=True)
+    run.repro_total_s = run.repro_budget_s = repro_s
     run.unpinned, run.allow_unpinned = unpinned, allow_unpinned
     run.off_pin = stack.off_pin(dev, env)
     # A side declared with --stack is off its pins on purpose: those differences need no --allow-unpinned

@@ -46,16 +46,29 @@ def minimize(
     order: list[str],
     max_tries: int = 40,
     budget_s: float = 300.0,
-) -> tuple[dict[str, int], list[dict[str, Any]]]:
+    try_s: float = 0.0,
+) -> tuple[dict[str, int], list[dict[str, Any]], str]:
     """Bisect each dimension in `order` down to the smallest value at which `fails` still holds.
 
     The failure is assumed to persist at the current shape. Each probe is logged; a probe that
-    raises counts as "does not fail" (a different error is not the same bug)."""
+    raises counts as "does not fail" (a different error is not the same bug). A probe starts only
+    if `try_s` (the longest one may take: its timeout) still fits in the budget; a probe with no
+    timeout (a compile) that starts before the deadline runs to its end. Returns the shape, the
+    log and why it stopped early ("" when every dimension was bisected to the end)."""
     cur, log = dict(dims), list[dict[str, Any]]()
     deadline = time.monotonic() + budget_s
+    stopped = ""
     for name in order:
         lo, hi = 1, cur[name]  # invariant: fails at hi
-        while lo < hi and len(log) < max_tries and time.monotonic() < deadline:
+        while lo < hi:
+            if len(log) >= max_tries:
+                stopped = f"max_tries: {max_tries} tries made"
+                break
+            if time.monotonic() + try_s > deadline:
+                stopped = f"budget: {budget_s:.0f}s for minimizing spent" + (
+                    f" (a try may take {try_s:.0f}s)" if try_s else ""
+                )
+                break
             mid = (lo + hi) // 2
             trial = {**cur, name: mid}
             try:
@@ -70,7 +83,9 @@ def minimize(
             else:
                 lo = mid + 1
         cur[name] = hi
-    return cur, log
+        if stopped:
+            break
+    return cur, log, stopped
 
 
 # -- the standalone script ---------------------------------------------------------------------
@@ -219,7 +234,8 @@ def write(
     budget_s: float = 300.0,
 ) -> Path:
     """Write the reproducer folder for a failed case, minimizing its shape where that can run here,
-    within `budget_s` (at or below 0: written at the failing shape, not minimized)."""
+    starting tries within `budget_s` (at or below 0: written at the failing shape, not minimized).
+    A compile try that starts before the deadline may end after it."""
     from tilepilot import build
 
     if kind not in KINDS:
@@ -232,7 +248,6 @@ def write(
     original = registry.of(case).shrink_dims(case)
     fails: Callable[[dict[str, int]], bool] | None = None
     why_not = ""
-    timeout_s = min(timeout_s, max(budget_s, 1.0))  # one try never outlasts the budget by more than itself
     if budget_s <= 0:
         why_not = "the run's time for minimizing reproducers (TILEPILOT_REPRO_BUDGET_S) was spent: kept at its shape"
     elif kind == "compile":
@@ -241,10 +256,15 @@ def write(
         fails = _script_fails(case, device, kind, cfg, seed, timeout_s)
     else:
         why_not = f"minimizing a {kind} failure needs the {device} GPU; not run here"
-    dims, log = original, list[dict[str, Any]]()
+    dims, log, stopped = original, list[dict[str, Any]](), ""
     t0 = time.perf_counter()
     if fails is not None:
-        dims, log = minimize(original, fails, dims_space(case), max_tries=max_tries, budget_s=budget_s)
+        # A hang is a try that reaches its timeout: the timeout is never cut to fit the budget (a
+        # slow but correct shape would then "reproduce" the hang); minimizing stops instead.
+        try_s = 0.0 if kind == "compile" else timeout_s
+        dims, log, stopped = minimize(
+            original, fails, dims_space(case), max_tries=max_tries, budget_s=budget_s, try_s=try_s
+        )
     small = _with_dims(case, dims)
     (out / "repro.py").write_text(render(case, device, kind, dims, cfg, seed), encoding="utf-8")
     try:  # the generated source at the minimized shape, when the compile gets that far
@@ -271,6 +291,9 @@ def write(
             "minimized_dims": small.dims,
             "minimized": fails is not None,
             "not_minimized_because": why_not,
+            # A minimization cut short (budget, max_tries) leaves a shape that fails, but maybe not the smallest.
+            "complete": fails is not None and not stopped,
+            "stopped_because": stopped,
             "shrink_steps": log,
             "minimize_s": time.perf_counter() - t0,
             "pid": os.getpid(),

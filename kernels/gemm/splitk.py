@@ -3,13 +3,15 @@
 
 Why: at M <= 64 a GEMM streams its weight, and the grid of kernels.gemm is N / block_N blocks: 64 on
 the o and down projections of Llama-3-8B, 96 on qkv, for 132 SMs. The H100 pilot of 3a7314d read the
-weight at 44-57% of the copy ceiling there (docs/perf-notes.md, session 16), 72-82% on gate-up (448
-blocks). Splitting K `split_k` ways multiplies the blocks: each writes its fp32 partial tile, and a
-second kernel sums the partials and casts, which at these M reads a few hundred KiB against the
-weight's 32-117 MiB.
+weight at 44-57% of the copy ceiling on o and qkv, 59-71% on down (docs/perf-notes.md, session 16),
+72-81% on gate-up (448 blocks). Splitting K `split_k` ways multiplies the blocks: each writes its fp32
+partial tile, and a second kernel sums the partials and casts. That traffic is split_k * M * N * 4
+bytes, written and read back: at M=64, 1 MiB a split on o and down and 1.5 MiB on qkv (8-12 MiB at
+split 8), against weights of 32 MiB (o), 48 MiB (qkv) and 112 MiB (down). Gate-up (224 MiB, 7 MiB a
+split) already fills the card and is not its target.
 
 The domain is what the probe needs, said and refused outside it: K a multiple of block_K * split_k
-(no partial K tile in any split) and N a multiple of the reduction's 256-column tile.
+(no partial K tile in any split), N a multiple of block_N and of the reduction's 256-column tile.
 """
 # No `from __future__ import annotations` here: TileLang evaluates the prim_func annotations itself.
 
@@ -25,6 +27,8 @@ def check(m: int, n: int, k: int, cfg: dict[str, Any]) -> None:
         raise ValueError(f"split-K: K={k} is not a multiple of block_K*split_k={bk}*{s}")
     if n % REDUCE_N:
         raise ValueError(f"split-K: N={n} is not a multiple of the reduction's {REDUCE_N} columns")
+    if n % int(cfg["block_N"]):  # the partials' store has no column guard
+        raise ValueError(f"split-K: N={n} is not a multiple of block_N={cfg['block_N']}")
     if m < 1:
         raise ValueError(f"split-K: M={m}")
 
