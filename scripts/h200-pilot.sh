@@ -21,7 +21,7 @@ git fetch -q "$bundle/repo.bundle" HEAD && git reset -q FETCH_HEAD && git checko
 # A carried tree that is not the bundle's commit makes a dirty run, which the gate never judges: say so
 # before any device time goes to it (2026-12-05: a bundle one test commit behind the checkout).
 # Untracked files count too, outside results/ (the run writes there) and the carried bundles.
-dirty=$(git status --porcelain | grep -v -e ' results/' -e ' \.device')
+dirty=$(git status --porcelain | grep -v -E '^.. "?(results/|\.device)')
 if [ -n "$dirty" ]; then
   echo "h200-pilot: the carried checkout differs from $bundle/repo.bundle's commit; run scripts/device-bundle.sh at HEAD:" >&2
   echo "$dirty" | head -5 >&2

@@ -6,6 +6,7 @@ that no traceback reaches the terminal, and the line that names the file or the 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -465,15 +466,25 @@ def test_the_verdict_on_every_committed_commit(tmp_path: Path, capsys: pytest.Ca
 # What an attempt to break the gate found (each was a PASS or a crash before it was mended)
 
 
-def test_a_baseline_that_lacks_the_case_does_not_switch_the_regression_check_off(tree: Path, tmp_path: Path) -> None:
-    # A 30% slower shipped kernel, and between it and PREVIOUS an ancestor measured on attention only.
+@pytest.mark.parametrize("lacks", ["absent", "nan"])
+def test_a_baseline_that_lacks_the_case_does_not_switch_the_regression_check_off(
+    tree: Path, tmp_path: Path, lacks: str
+) -> None:
+    # A 30% slower shipped kernel, and between it and PREVIOUS an ancestor measured on attention only,
+    # or (a partial run) with NaN, asv's "not measured", for the case.
     slow_down(tree, SHIPPED, 1.3)
     between = subprocess.run(["git", "rev-list", f"{PREVIOUS}..{COMMIT}"], capture_output=True, text=True, cwd=ROOT)
     mid = between.stdout.split()[-1]  # the child of PREVIOUS: an ancestor of COMMIT
     prev = json.loads(_asv_file(PREVIOUS).read_text())
     prev["commit_hash"] = mid
-    prev["results"] = {k: v for k, v in prev["results"].items() if "TrackGemm" not in k}
-    (tree / "asv" / MACHINE / f"{mid[:8]}-{_asv_file(PREVIOUS).name.split('-', 1)[1]}").write_text(json.dumps(prev))
+    if lacks == "absent":
+        prev["results"] = {k: v for k, v in prev["results"].items() if "TrackGemm" not in k}
+    else:
+        (key,) = [k for k in prev["results"] if k.endswith("TrackGemm.track_kernel_ms")]
+        row = prev["results"][key]
+        row[0][row[1][0].index(f"'{SHIPPED}'")] = math.nan
+    name = f"{mid[:8]}-{_asv_file(PREVIOUS).name.split('-', 1)[1]}"
+    (tree / "asv" / MACHINE / name).write_text(json.dumps(prev))
     fails(gate(tree, tmp_path), f"regression: {SHIPPED}:", f"against {PREVIOUS[:8]}")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,6 +46,17 @@ def test_minimize_cut_short_says_why() -> None:
     # A try that may take longer than the budget (a hang's timeout) never starts: no try is cut short.
     dims, log, stopped = repro.minimize({"m": 4096, "k": 4096}, fails, ["m", "k"], budget_s=60, try_s=120)
     assert log == [] and stopped.startswith("budget") and dims == {"m": 4096, "k": 4096}
+
+
+def test_minimize_starts_no_try_longer_than_what_is_left() -> None:
+    """A try with no timeout (a compile) starts only while the longest try so far still fits."""
+
+    def slow(d: dict[str, int]) -> bool:
+        time.sleep(0.3)
+        return True
+
+    _, log, stopped = repro.minimize({"m": 4096}, slow, ["m"], budget_s=0.5)
+    assert len(log) == 1 and stopped.startswith("budget"), (log, stopped)
 
 
 @pytest.fixture

@@ -240,7 +240,8 @@ class AsvMachine:
             if not any(n.startswith(f"{a[:8]}-") for n in self.names):
                 continue
             for res in reversed(self.of(a)):
-                if res.get("track_kernel_ms", case) is not None:
+                # A partial run writes NaN for a case it did not measure: no baseline, look further back.
+                if (got := res.get("track_kernel_ms", case)) is not None and _finite(got[0]):
                     return res
         return None
 

@@ -34,9 +34,9 @@ VENDOR = Path(__file__).resolve().parent / "www" / "vendor"
 
 
 def _inverse(scale: float) -> Callable[[float], float | None]:
-    # NaN is asv's "n/a" (a case with no measurement, e.g. a wrong kernel) and stays NaN; None is its
-    # "failed". Any other value with no inverse (zero, negative, infinite) is no measurement: failed.
-    return lambda x: x if math.isnan(x) else scale / x if math.isfinite(x) and x > 0 else None
+    # A value with no inverse (NaN, zero, negative, infinite) is asv's NaN, "not measured", as the suite
+    # itself writes it (benchmarks/_suite.py _inverse); None would be asv's "failed".
+    return lambda x: scale / x if math.isfinite(x) and x > 0 else math.nan
 
 
 # asv takes lower as better (its Regressions page lists increases only), so the higher-is-better

@@ -89,6 +89,8 @@ class Run:
         t0 = time.perf_counter()
         path = repro.write(case, self.device, kind, message, root=self.repro_root, budget_s=left, **kw)
         self.repro_budget_s = max(0.0, left - (time.perf_counter() - t0))
+        if stopped := repro.summary(path).get("stopped_because"):  # a failing shape, maybe not the smallest
+            say(f"{case.id}: its reproducer's minimizing stopped early ({stopped}): {path}")
         return path
 
     @property

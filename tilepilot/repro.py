@@ -52,23 +52,25 @@ def minimize(
 
     The failure is assumed to persist at the current shape. Each probe is logged; a probe that
     raises counts as "does not fail" (a different error is not the same bug). A probe starts only
-    if `try_s` (the longest one may take: its timeout) still fits in the budget; a probe with no
-    timeout (a compile) that starts before the deadline runs to its end. Returns the shape, the
-    log and why it stopped early ("" when every dimension was bisected to the end)."""
+    if `try_s` (the longest one may take: a hang's timeout) and the longest probe so far both still
+    fit in the budget. Returns the shape, the log and why it stopped early ("" when every dimension
+    was bisected to the end)."""
     cur, log = dict(dims), list[dict[str, Any]]()
     deadline = time.monotonic() + budget_s
-    stopped = ""
+    stopped, longest = "", 0.0
     for name in order:
         lo, hi = 1, cur[name]  # invariant: fails at hi
         while lo < hi:
             if len(log) >= max_tries:
                 stopped = f"max_tries: {max_tries} tries made"
                 break
-            if time.monotonic() + try_s > deadline:
+            # The next try must fit: its timeout, or the longest try so far where it has none (a compile).
+            if time.monotonic() + max(try_s, longest) > deadline:
                 stopped = f"budget: {budget_s:.0f}s for minimizing spent" + (
-                    f" (a try may take {try_s:.0f}s)" if try_s else ""
+                    f" (a try may take {max(try_s, longest):.0f}s)" if max(try_s, longest) else ""
                 )
                 break
+            t0 = time.monotonic()
             mid = (lo + hi) // 2
             trial = {**cur, name: mid}
             try:
@@ -78,6 +80,7 @@ def minimize(
                 log.append({"dims": trial, "fails": False, "error": f"{type(exc).__name__}: {exc}".splitlines()[0]})
             else:
                 log.append({"dims": trial, "fails": hit})
+            longest = max(longest, time.monotonic() - t0)
             if hit:
                 hi = mid
             else:
@@ -195,20 +198,23 @@ def _compile_fails(case: Case, device: str, cfg: dict[str, Any], expected: str) 
 
 
 def _script_fails(
-    case: Case, device: str, kind: str, cfg: dict[str, Any], seed: int, timeout_s: float
+    case: Case, device: str, kind: str, cfg: dict[str, Any], seed: int, timeout_s: float, deadline: float
 ) -> Callable[[dict[str, int]], bool]:
-    """Run the rendered reproducer at a shape in a subprocess: exit 1, a signal, or the timeout."""
+    """Run the rendered reproducer at a shape in a subprocess: exit 1, a signal, or (a hang) the
+    timeout. A hang's try keeps its whole timeout (cut short, a slow but correct shape would
+    "reproduce" it; minimize starts it only where it fits); a wrong or crashing try is cut at the
+    budget's deadline, and a try cut short counts as "does not fail": the shape stays larger."""
 
     def fails(dims: dict[str, int]) -> bool:
         import tempfile
+
+        t = timeout_s if kind == "hang" else min(timeout_s, max(1.0, deadline - time.monotonic()))
 
         with tempfile.TemporaryDirectory() as tmp:
             script = Path(tmp) / "repro.py"
             script.write_text(render(case, device, kind, dims, cfg, seed), encoding="utf-8")
             try:
-                proc = subprocess.run(
-                    [sys.executable, str(script)], capture_output=True, timeout=timeout_s, check=False
-                )
+                proc = subprocess.run([sys.executable, str(script)], capture_output=True, timeout=t, check=False)
             except subprocess.TimeoutExpired:
                 return kind == "hang"
         if kind == "crash":
@@ -253,15 +259,13 @@ def write(
     elif kind == "compile":
         fails = _compile_fails(case, device, cfg, message)
     elif on_device:
-        fails = _script_fails(case, device, kind, cfg, seed, timeout_s)
+        fails = _script_fails(case, device, kind, cfg, seed, timeout_s, time.monotonic() + budget_s)
     else:
         why_not = f"minimizing a {kind} failure needs the {device} GPU; not run here"
     dims, log, stopped = original, list[dict[str, Any]](), ""
     t0 = time.perf_counter()
     if fails is not None:
-        # A hang is a try that reaches its timeout: the timeout is never cut to fit the budget (a
-        # slow but correct shape would then "reproduce" the hang); minimizing stops instead.
-        try_s = 0.0 if kind == "compile" else timeout_s
+        try_s = timeout_s if kind == "hang" else 0.0  # see _script_fails
         dims, log, stopped = minimize(
             original, fails, dims_space(case), max_tries=max_tries, budget_s=budget_s, try_s=try_s
         )
@@ -289,8 +293,9 @@ def write(
             "config": cfg,
             "original_dims": case.dims,
             "minimized_dims": small.dims,
-            "minimized": fails is not None,
-            "not_minimized_because": why_not,
+            # Minimized: a try ran, or none was needed (every dimension already at 1).
+            "minimized": fails is not None and (bool(log) or not stopped),
+            "not_minimized_because": why_not or (stopped if fails is not None and not log else ""),
             # A minimization cut short (budget, max_tries) leaves a shape that fails, but maybe not the smallest.
             "complete": fails is not None and not stopped,
             "stopped_because": stopped,
