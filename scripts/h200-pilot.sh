@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the real pilot on the lent H200 (host mode) and packs what it wrote into $OUT.
-# Needs the bundle from scripts/device-bundle.sh in .device/ (carried with the call).
+# Needs the bundle from scripts/device-bundle.sh in .device/ (carried with the call), and the checkout
+# without the history (the sparse checkout that device-bundle.sh prints).
 #   scripts/h200-pilot.sh [pilot args...]      e.g. --cases 'gemm/*'
 #   PROFILE=1: then Nsight Compute over scripts/h200-profile.py, into $OUT/ncu.csv
 # A first run starts from an empty compile cache (cold); when time is left (REPEAT_IF_LEFT seconds
@@ -13,20 +14,12 @@
 set -uo pipefail
 bundle=${BUNDLE:-.device}
 session=${SESSION:-pilot-sm90}
-# results/ (the committed history) and docs/ come from the bundle: with them the tree would pass the
-# 64 MiB a call carries, so the call is made with both out of the checkout (device-bundle.sh says how);
-# both are restored here, or the pilot would see a dirty tree.
-git fetch -q "$bundle/repo.bundle" HEAD && git reset -q FETCH_HEAD && git checkout -q -- results docs \
-  || { echo "h200-pilot: cannot restore the checkout from $bundle/repo.bundle (run scripts/device-bundle.sh, carry $bundle)" >&2; exit 2; }
-# A carried tree that is not the bundle's commit makes a dirty run, which the gate never judges: say so
-# before any device time goes to it (2026-12-05: a bundle one test commit behind the checkout).
-# Untracked files count too, outside results/ (the run writes there) and the carried bundles.
-dirty=$(git status --porcelain | grep -v -E '^.. "?(results/|\.device)')
-if [ -n "$dirty" ]; then
-  echo "h200-pilot: the carried checkout differs from $bundle/repo.bundle's commit; run scripts/device-bundle.sh at HEAD:" >&2
-  echo "$dirty" | head -5 >&2
-  exit 2
-fi
+# The history stays home (scripts/device-tree.py): the carried tree is checked file by file against
+# the bundle's manifest, and a tree that is not the commit's stops here, before any device time goes
+# to a dirty run, which the gate never judges (2026-12-05: a bundle one test commit behind the
+# checkout). The pilot is told its commit (TILEPILOT_GIT); asv finds it in a one-commit shallow repo.
+ident=$(python3 scripts/device-tree.py check "$bundle") || exit 2
+export TILEPILOT_GIT=$ident
 # One site and one compile cache per bundle: a warm machine keeps /tmp, and two stacks must never mix.
 tag=$(basename "$bundle")
 site=/tmp/s$tag/site

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Runs `nox -s tune-sm90` on the lent H200 (host mode) and packs the winners and the search records
-# into $OUT. Needs the bundle from ../shared/device/make-bundle.sh in .device/ (carried with the call).
+# into $OUT. Needs the bundle from scripts/device-bundle.sh in .device/ (carried with the call) and the
+# checkout without the history, as for h200-pilot.sh.
 #   BUDGET=330 scripts/h200-tune.sh [tune args...]
 set -uo pipefail
-git fetch -q .device/repo.bundle HEAD && git reset -q FETCH_HEAD
+ident=$(python3 scripts/device-tree.py check .device) || exit 2
+export TILEPILOT_GIT=$ident
 mkdir -p /tmp/s && tar -C /tmp/s -xJf .device/site.tar.xz
 export PYTHONPATH=$PWD:/tmp/s/site PYTHONUNBUFFERED=1 TILELANG_AUTO_TUNING_DISABLE_CACHE=1
 export TILELANG_CACHE_DIR=/tmp/tilelang-tune-cache

@@ -1,0 +1,119 @@
+"""scripts/device-tree.py: a device call carries the commit's identity and manifest instead of the history.
+Real git throughout: a sparse clone is the checkout a call sends, a copy of it with an empty .git is
+the device's tree."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = "scripts/device-tree.py"
+
+
+def _load() -> object:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("device_tree", ROOT / SCRIPT)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def git(*args: str, cwd: Path) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout
+
+
+def tool(cmd: str, bundle: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(cwd / SCRIPT), cmd, str(bundle)], cwd=cwd, capture_output=True, text=True, check=False
+    )
+
+
+@pytest.fixture(scope="module")
+def sent(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(the sparse checkout a call sends, with its .device written; the device's copy of what travels)."""
+    base = tmp_path_factory.mktemp("device-tree")
+    clone = base / "clone"
+    git("clone", "-q", "--no-checkout", str(ROOT), str(clone), cwd=base)
+    git("sparse-checkout", "set", "--no-cone", *_load().SPARSE, cwd=clone)  # type: ignore[attr-defined]
+    git("checkout", "-q", "HEAD", cwd=clone)
+    r = tool("write", clone / ".device", clone)
+    assert r.returncode == 0, r.stderr
+    dev = base / "dev"
+    shutil.copytree(clone, dev, ignore=shutil.ignore_patterns(".git"))
+    git("init", "-q", cwd=dev)  # the device's copy has a .git with no commits
+    return clone, dev
+
+
+def test_the_sparse_checkout_is_what_the_manifest_lists(sent: tuple[Path, Path]) -> None:
+    clone, _ = sent
+    listed = {row.split(" ", 2)[2] for row in (clone / ".device" / "manifest").read_text().splitlines()}
+    present = {
+        str(p.relative_to(clone))
+        for p in clone.rglob("*")
+        if (p.is_file() or p.is_symlink()) and p.relative_to(clone).parts[0] not in (".git", ".device")
+    }
+    assert present == listed
+    assert "results/asv/benchmarks.json" in listed and not any(p.startswith("results/records/") for p in listed)
+
+
+def test_the_device_tree_is_the_commit_and_asv_finds_it(sent: tuple[Path, Path]) -> None:
+    clone, dev = sent
+    r = tool("check", dev / ".device", dev)
+    assert r.returncode == 0, r.stderr
+    ident = json.loads(r.stdout)
+    code = git(
+        "log", "-1", "--format=%H", "HEAD", "--", ".", ":!results", ":!docs", ":!gate", ":!*.md", ":!tests", cwd=clone
+    )
+    assert ident["commit"] == code.strip() and ident["dirty"] is False
+    # What asv asks git about the commit (asv.plugins.git: rev-parse, rev-list --format=%at).
+    assert git("rev-parse", "HEAD^{commit}", cwd=dev).strip() == ident["commit"]
+    when = git("rev-list", "-n", "1", "--format=%at", ident["commit"], cwd=dev).split()[-1]
+    assert when == git("log", "-1", "--format=%at", ident["commit"], cwd=clone).strip()
+
+
+@pytest.mark.parametrize("how", ["changed", "untracked", "missing", "mode"])
+def test_a_tree_that_is_not_the_commit_is_refused_in_one_line(
+    sent: tuple[Path, Path], tmp_path: Path, how: str
+) -> None:
+    _, dev = sent
+    tree = tmp_path / "dev"
+    shutil.copytree(dev, tree, symlinks=True)
+    # What a run writes (its records, caches) is not a change to the code.
+    (tree / "results" / "records" / "m").mkdir(parents=True)
+    (tree / "results" / "records" / "m" / "run.json").write_text("{}")
+    (tree / "tilepilot" / "__pycache__").mkdir(exist_ok=True)
+    (tree / "tilepilot" / "__pycache__" / "x.pyc").write_bytes(b"")
+    assert tool("check", tree / ".device", tree).returncode == 0
+    target = tree / "tilepilot" / "gate.py"
+    if how == "changed":
+        target.write_text(target.read_text() + "\n# edited\n")
+    elif how == "untracked":
+        (tree / "tilepilot" / "stray.py").write_text("")
+        target = tree / "tilepilot" / "stray.py"
+    elif how == "missing":
+        target.unlink()
+    else:
+        target.chmod(0o755)
+    r = tool("check", tree / ".device", tree)
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and str(target.relative_to(tree)) in r.stderr, r.stderr
+
+
+def test_a_dirty_checkout_writes_no_bundle(sent: tuple[Path, Path], tmp_path: Path) -> None:
+    clone, _ = sent
+    readme = clone / "README.md"
+    text = readme.read_text()
+    readme.write_text(text + "\nedited\n")
+    try:
+        r = tool("write", tmp_path / "out", clone)
+    finally:
+        readme.write_text(text)
+    assert r.returncode == 2 and "uncommitted changes" in r.stderr and not (tmp_path / "out").exists()
