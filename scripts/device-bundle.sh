@@ -49,7 +49,7 @@ python3 scripts/device-tree.py write "$out"
 size=$(du -sb "$out" | cut -f1)  # everything the call carries of it
 # The tree that travels: tracked files but results/, save what asv's run reads there (device-tree.py).
 sparse="'/*' '!/results/' '/results/asv/benchmarks.json' '/results/asv/*/machine.json'"
-tree=$(cut -d' ' -f3- "$out/manifest" | tr '\n' '\0' | xargs -0 du -cb | tail -1 | cut -f1)
+tree=$(cut -d' ' -f3- "$out/manifest" | tr '\n' '\0' | du -cb --files0-from=- | tail -1 | cut -f1)
 ls -l "$out/site.tar.xz" "$out/manifest" "$out"/pack-*.pack
 if [ $((size + tree)) -ge $((64 * 1024 * 1024)) ]; then
   echo "device-bundle: $out ($size bytes) and the tree that travels ($tree) pass the 64 MiB a call carries" >&2

@@ -51,6 +51,7 @@ def write(out: Path) -> int:
     sys.path.insert(0, str(ROOT))
     from tilepilot import envinfo
 
+    os.environ.pop("TILEPILOT_GIT", None)  # this checkout's git, not an identity handed in
     ident = envinfo.git()
     if ident["dirty"] or ident["dirty"] is None:
         print(
@@ -60,13 +61,23 @@ def write(out: Path) -> int:
         return 2
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for line in _git("ls-files", "-s", "-z").split("\0"):
+    for line in _git("ls-tree", "-r", "-z", "HEAD").split("\0"):  # the commit's files, not the index
         if line:
             meta, path = line.split("\t", 1)
-            mode, sha, _ = meta.split()
-            if travels(path) and mode != "160000":  # a submodule's commit is no file
+            mode, kind, sha = meta.split()
+            if travels(path) and kind == "blob":  # a submodule's commit is no file
                 rows.append(f"{mode} {sha} {path}")
     (out / "manifest").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    # What check would refuse there is refused here, before a machine is started for it: an untracked
+    # file (say a merged tree unpacked into the checkout), a change that envinfo does not count.
+    diff = differences(out, ROOT, home=True)
+    if diff:
+        (out / "manifest").unlink()
+        print(
+            f"device-tree: this checkout would not pass the device's check ({len(diff)} files): " + "; ".join(diff[:5]),
+            file=sys.stderr,
+        )
+        return 2
     (out / "git.json").write_text(json.dumps(ident) + "\n", encoding="utf-8")
     for old in out.glob("pack-*"):
         old.unlink()
@@ -89,8 +100,9 @@ def _ignored(paths: list[str], cwd: Path) -> set[str]:
     return set(filter(None, r.stdout.split("\0")))
 
 
-def differences(bundle: Path, cwd: Path) -> list[str]:
-    """What in the tree at `cwd` is not the manifest's: changed, missing, or extra files."""
+def differences(bundle: Path, cwd: Path, home: bool = False) -> list[str]:
+    """What in the tree at `cwd` is not the manifest's: changed, missing, or extra files. At home the
+    history is there (results/, which the manifest mostly leaves out) and is not walked."""
     want: dict[str, tuple[str, str]] = {}
     for row in (bundle / "manifest").read_text(encoding="utf-8").splitlines():
         mode, sha, path = row.split(" ", 2)
@@ -113,7 +125,13 @@ def differences(bundle: Path, cwd: Path) -> list[str]:
     extra = []
     for dirpath, dirnames, filenames in os.walk(cwd):
         here = Path(dirpath)
-        dirnames[:] = [d for d in dirnames if d != ".git" and (here / d).resolve() not in bundles]
+        if here == cwd and home:
+            dirnames[:] = [d for d in dirnames if d != "results"]
+        # A link to a folder travels as a link: it is a file here, never walked into.
+        filenames += [d for d in dirnames if (here / d).is_symlink()]
+        dirnames[:] = [
+            d for d in dirnames if d != ".git" and not (here / d).is_symlink() and (here / d).resolve() not in bundles
+        ]
         rel = here.relative_to(cwd)
         for f in filenames:
             path = str(rel / f) if str(rel) != "." else f

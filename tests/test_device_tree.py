@@ -79,7 +79,7 @@ def test_the_device_tree_is_the_commit_and_asv_finds_it(sent: tuple[Path, Path])
     assert when == git("log", "-1", "--format=%at", ident["commit"], cwd=clone).strip()
 
 
-@pytest.mark.parametrize("how", ["changed", "untracked", "missing", "mode"])
+@pytest.mark.parametrize("how", ["changed", "untracked", "missing", "mode", "linked-folder"])
 def test_a_tree_that_is_not_the_commit_is_refused_in_one_line(
     sent: tuple[Path, Path], tmp_path: Path, how: str
 ) -> None:
@@ -100,20 +100,40 @@ def test_a_tree_that_is_not_the_commit_is_refused_in_one_line(
         target = tree / "tilepilot" / "stray.py"
     elif how == "missing":
         target.unlink()
-    else:
+    elif how == "mode":
         target.chmod(0o755)
+    else:  # a link travels as a link: a folder of code the manifest never named
+        target = tree / "tilepilot" / "more"
+        target.symlink_to("../kernels")
     r = tool("check", tree / ".device", tree)
     assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and str(target.relative_to(tree)) in r.stderr, r.stderr
 
 
-def test_a_dirty_checkout_writes_no_bundle(sent: tuple[Path, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("path", "says"),
+    [
+        ("README.md", "uncommitted changes"),
+        # envinfo does not count results/ as a change to the code; the device's check would refuse it
+        ("results/asv/benchmarks.json", "would not pass the device's check"),
+        ("merged/results/records/run.json", "would not pass the device's check"),  # an untracked file
+    ],
+)
+def test_a_checkout_the_device_would_refuse_writes_no_bundle(
+    sent: tuple[Path, Path], tmp_path: Path, path: str, says: str
+) -> None:
     clone, _ = sent
-    readme = clone / "README.md"
-    text = readme.read_text()
-    readme.write_text(text + "\nedited\n")
+    f = clone / path
+    before = f.read_bytes() if f.exists() else None
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_bytes((before or b"") + b"\nedited\n")
     try:
         r = tool("write", tmp_path / "out", clone)
     finally:
-        readme.write_text(text)
-    assert r.returncode == 2 and "uncommitted changes" in r.stderr and not (tmp_path / "out").exists()
+        if before is None:
+            shutil.rmtree(clone / path.split("/")[0])
+        else:
+            f.write_bytes(before)
+    assert r.returncode == 2 and says in r.stderr, r.stderr
+    assert not (tmp_path / "out" / "git.json").exists()
+    assert tool("write", tmp_path / "again", clone).returncode == 0  # restored, it writes
