@@ -1,0 +1,398 @@
+"""FlashAttention-3's consumer schedule, written by hand for sm_90a (issue 21): not shipped, not pinned;
+`scripts/h200-fa3-probe.py` checks and measures it first.
+
+Why: the pinned kernel (kernels.attention) leaves the schedule to TileLang's automatic pipeline, which
+issues nothing of the next key block's Q·Kᵀ before this block's softmax; at a locked clock it reaches
+64% of the tensor peak against cuDNN's 74.5% (docs/perf-notes.md, 2026-12-03). Its manual
+`T.Pipelined(order=, stage=)` gave wrong results, and a wgmma left in flight raced with the automatic
+pipeline, which releases a K/V stage at the issue. Here nothing is automatic:
+
+- 384 threads: warpgroups 0 and 1 are consumers, 64 query rows each (one wgmma's M), warpgroup 2 the
+  producer, which loads K and V blocks by TMA into a two-stage ring guarded by full/empty mbarriers.
+- Each consumer pipelines within itself, as FA3's Algorithm 2: it issues Q·Kᵀ of block j and P·V of
+  block j-1 together (`T.wgmma_gemm`, no implicit wait), waits for the first (`T.wait_wgmma(1)`),
+  runs the softmax of block j while P·V(j-1) is on the tensor cores, then waits for that
+  (`T.wait_wgmma(0)`), releases V(j-1), rescales O and casts P(j). K(j) is released as soon as its
+  Q·Kᵀ is done, V(j-1) only after its wait: no stage is reused while a wgmma reads it.
+- Registers: the consumers raise theirs to 240 (two S-sized tiles live, S(j) in fp32 and P(j-1) in
+  16 bits, beside O), the producer lowers its own to 24 (`T.set_max_nreg`).
+
+Not yet: the ping-pong of the two consumers (named barriers, one turn a block), causal blocks split
+into unmasked and diagonal loops, a persistent grid. Each is measured alone once this one is correct.
+
+Knobs: block_N (64 or 128 keys a block) and p_sets: 1 keeps P(j) in the registers that P·V(j-1)
+reads, so its cast waits for that wgmma (ptxas then waits before the softmax too: compiled here, the
+SASS of block_N=128 runs no exp under P·V), 2 alternates two register sets, two blocks a turn (only
+at block_N=64: at 128 ptxas spills and serializes every wgmma). Which is faster is the probe's to say.
+
+The domain is what the probe needs, said and refused outside it: head_dim 64 or 128, query and key
+lengths multiples of the 128-row tile and of block_N (no partial tile: the TMA boxes and the store
+have no bounds), causal only with equal lengths (top-left, as SDPA's is_causal).
+"""
+# No `from __future__ import annotations` here: TileLang evaluates the prim_func annotations itself.
+
+from typing import Any
+
+LOG2E = 1.44269504
+ROWS = 64  # query rows a consumer warpgroup: one wgmma's M
+
+
+def check(seq_q: int, seq_kv: int, head_dim: int, causal: bool, cfg: dict[str, Any]) -> None:
+    """Refuses a shape outside the kernel's domain, in one line."""
+    bn, p_sets = int(cfg["block_N"]), int(cfg.get("p_sets", 1))
+    if bn not in (64, 128) or p_sets not in (1, 2):
+        raise ValueError(f"fa3: block_N={bn}, p_sets={p_sets}: block_N is 64 or 128, p_sets 1 or 2")
+    if p_sets == 2 and bn > 64:  # 2 x 32 registers of P beside S and O: ptxas spills and serializes (C7512)
+        raise ValueError("fa3: p_sets=2 needs block_N=64 (at 128, ptxas spills and serializes the wgmmas)")
+    if head_dim not in (64, 128):
+        raise ValueError(f"fa3: head_dim={head_dim} is not 64 or 128")
+    if seq_q % (2 * ROWS) or seq_kv % bn:
+        raise ValueError(f"fa3: lengths {seq_q}x{seq_kv} are not multiples of {2 * ROWS} and block_N={bn}")
+    if causal and seq_q != seq_kv:
+        raise ValueError(f"fa3: causal needs equal lengths, not {seq_q}x{seq_kv}")
+
+
+def program(
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    seq_q: int,
+    seq_kv: int,
+    head_dim: int,
+    causal: bool,
+    dtype: str,
+    cfg: dict[str, Any],
+) -> Any:
+    import tilelang.language as T
+
+    check(seq_q, seq_kv, head_dim, causal, cfg)
+    bn, d, bm = int(cfg["block_N"]), head_dim, 2 * ROWS
+    groups = heads // kv_heads
+    scale = (1.0 / d) ** 0.5 * LOG2E  # softmax in base 2
+    acc = "float32"
+    n_kv = seq_kv // bn
+    s_regs = ROWS * bn // 128  # 32-bit registers a consumer thread holds of S
+    p_sets = int(cfg.get("p_sets", 1))
+
+    @T.macro
+    def softmax(s: Any, m_cur: Any, m_prev: Any, rescale: Any, row_sum: Any, denom: Any) -> None:
+        T.copy(m_cur, m_prev)
+        T.fill(m_cur, -T.infinity(acc))
+        T.reduce_max(s, m_cur, dim=1, clear=False)
+        for i in T.Parallel(ROWS):
+            m_cur[i] = T.max(m_cur[i], m_prev[i])
+        for i in T.Parallel(ROWS):
+            rescale[i] = T.exp2(m_prev[i] * scale - m_cur[i] * scale)
+        for i, c in T.Parallel(ROWS, bn):
+            s[i, c] = T.exp2(s[i, c] * scale - m_cur[i] * scale)
+        T.reduce_sum(s, row_sum, dim=1)
+        for i in T.Parallel(ROWS):
+            denom[i] = denom[i] * rescale[i] + row_sum[i]
+
+    @T.macro
+    def mask(s: Any, row0: Any, j: Any) -> None:
+        # Q·Kᵀ's initial accumulator: 0 where allowed, -inf past the diagonal.
+        for i, c in T.Parallel(ROWS, bn):
+            if causal:
+                s[i, c] = T.if_then_else(row0 + i >= j * bn + c, 0, -T.infinity(acc))
+            else:
+                s[i, c] = 0
+
+    @T.macro
+    def step(
+        j: Any,
+        q: Any,
+        s: Any,
+        p_prev: Any,
+        p_next: Any,
+        o: Any,
+        m_cur: Any,
+        m_prev: Any,
+        rescale: Any,
+        row_sum: Any,
+        denom: Any,
+        k_s: Any,
+        v_s: Any,
+        k_full: Any,
+        v_full: Any,
+        k_empty: Any,
+        v_empty: Any,
+        row0: Any,
+    ) -> None:
+        """Key block j: Q·Kᵀ(j) and P·V(j-1) in flight together, the softmax of j under P·V(j-1)."""
+        mask(s, row0, j)
+        T.mbarrier_wait_parity(k_full[j % 2], (j // 2) & 1)
+        T.wgmma_gemm(q, k_s[j % 2, :, :], s, transpose_B=True)  # Q·Kᵀ(j)
+        for i, c in T.Parallel(ROWS, d):  # O to the scale of block j-1, before P·V(j-1) adds to it
+            o[i, c] *= rescale[i]
+        T.mbarrier_wait_parity(v_full[(j - 1) % 2], ((j - 1) // 2) & 1)
+        T.wgmma_gemm(p_prev, v_s[(j - 1) % 2, :, :], o)  # P·V(j-1)
+        T.wait_wgmma(1)  # Q·Kᵀ(j) done; P·V(j-1) may still run
+        T.mbarrier_arrive(k_empty[j % 2])
+        softmax(s, m_cur, m_prev, rescale, row_sum, denom)
+        if p_sets == 2:
+            # P(j) into the other register set: P(j-1) is still read by the wgmma in flight. Cast
+            # into the same registers, ptxas waits for that wgmma before the softmax, whose exps it
+            # interleaves with the cast.
+            T.copy(s, p_next)
+            T.wait_wgmma(0)  # P·V(j-1) done: V(j-1) free, O complete to block j-1
+            T.mbarrier_arrive(v_empty[(j - 1) % 2])
+        else:
+            # The wait orders memory, not registers: the fence on S keeps the softmax's math above it.
+            T.warpgroup_fence_operand(s, num_regs=s_regs)
+            T.wait_wgmma(0)
+            T.mbarrier_arrive(v_empty[(j - 1) % 2])
+            T.copy(s, p_next)
+
+    @T.macro
+    def consumer(
+        w: int,
+        q: Any,
+        s: Any,
+        pa: Any,
+        pb: Any,
+        o: Any,
+        m_cur: Any,
+        m_prev: Any,
+        rescale: Any,
+        row_sum: Any,
+        denom: Any,
+        k_s: Any,
+        v_s: Any,
+        q_full: Any,
+        k_full: Any,
+        v_full: Any,
+        k_empty: Any,
+        v_empty: Any,
+        O: Any,
+        bx: Any,
+        by: Any,
+        bz: Any,
+        n_blocks: Any,
+    ) -> None:
+        # Straight-line code between a wgmma's issue and its wait (stages by index, the first block
+        # peeled, P in two register sets taken in turn: the loop goes two blocks a turn): ptxas
+        # serializes every wgmma of a function whose pipeline it cannot follow.
+        row0 = bx * (2 * ROWS) + w * ROWS  # this warpgroup's first query row
+        T.fill(o, 0)
+        T.fill(denom, 0)
+        T.fill(m_cur, -T.infinity(acc))
+        T.mbarrier_wait_parity(q_full[w], 0)
+        mask(s, row0, 0)
+        T.mbarrier_wait_parity(k_full[0], 0)
+        T.wgmma_gemm(q, k_s[0, :, :], s, transpose_B=True)
+        T.wait_wgmma(0)
+        T.mbarrier_arrive(k_empty[0])
+        softmax(s, m_cur, m_prev, rescale, row_sum, denom)
+        T.copy(s, pa)
+        if p_sets == 1:
+            for jj in T.serial(n_blocks - 1):
+                step(
+                    jj + 1,
+                    q,
+                    s,
+                    pa,
+                    pa,
+                    o,
+                    m_cur,
+                    m_prev,
+                    rescale,
+                    row_sum,
+                    denom,
+                    k_s,
+                    v_s,
+                    k_full,
+                    v_full,
+                    k_empty,
+                    v_empty,
+                    row0,
+                )
+        else:  # two blocks a turn, so that P's register sets alternate by name
+            for t in T.serial((n_blocks - 1) // 2):
+                step(
+                    2 * t + 1,
+                    q,
+                    s,
+                    pa,
+                    pb,
+                    o,
+                    m_cur,
+                    m_prev,
+                    rescale,
+                    row_sum,
+                    denom,
+                    k_s,
+                    v_s,
+                    k_full,
+                    v_full,
+                    k_empty,
+                    v_empty,
+                    row0,
+                )
+                step(
+                    2 * t + 2,
+                    q,
+                    s,
+                    pb,
+                    pa,
+                    o,
+                    m_cur,
+                    m_prev,
+                    rescale,
+                    row_sum,
+                    denom,
+                    k_s,
+                    v_s,
+                    k_full,
+                    v_full,
+                    k_empty,
+                    v_empty,
+                    row0,
+                )
+            if (n_blocks - 1) % 2 == 1:  # one block left: P(last) ends in pb
+                step(
+                    n_blocks - 1,
+                    q,
+                    s,
+                    pa,
+                    pb,
+                    o,
+                    m_cur,
+                    m_prev,
+                    rescale,
+                    row_sum,
+                    denom,
+                    k_s,
+                    v_s,
+                    k_full,
+                    v_full,
+                    k_empty,
+                    v_empty,
+                    row0,
+                )
+        last = n_blocks - 1
+        for i, c in T.Parallel(ROWS, d):
+            o[i, c] *= rescale[i]
+        T.mbarrier_wait_parity(v_full[last % 2], (last // 2) & 1)
+        if p_sets == 2 and last % 2 == 1:
+            T.wgmma_gemm(pb, v_s[last % 2, :, :], o)
+        else:
+            T.wgmma_gemm(pa, v_s[last % 2, :, :], o)
+        T.wait_wgmma(0)
+        T.mbarrier_arrive(v_empty[last % 2])
+        for i, c in T.Parallel(ROWS, d):
+            o[i, c] /= denom[i]
+        T.copy(o, O[bz, by, row0 : row0 + ROWS, :])
+
+    @T.prim_func
+    def main(
+        Q: T.Tensor((batch, heads, seq_q, d), dtype),  # type: ignore[valid-type]
+        K: T.Tensor((batch, kv_heads, seq_kv, d), dtype),  # type: ignore[valid-type]
+        V: T.Tensor((batch, kv_heads, seq_kv, d), dtype),  # type: ignore[valid-type]
+        O: T.Tensor((batch, heads, seq_q, d), dtype),  # type: ignore[valid-type]
+    ) -> None:
+        with T.Kernel(seq_q // bm, heads, batch, threads=384) as (bx, by, bz):
+            q0 = T.alloc_shared((ROWS, d), dtype)
+            q1 = T.alloc_shared((ROWS, d), dtype)
+            k_s = T.alloc_shared((2, bn, d), dtype)  # the K and V rings: stage j % 2
+            v_s = T.alloc_shared((2, bn, d), dtype)
+            # Each consumer its own fragments: TileLang lays a fragment out for the threads that use it.
+            s0 = T.alloc_fragment((ROWS, bn), acc)
+            s1 = T.alloc_fragment((ROWS, bn), acc)
+            pa0 = T.alloc_fragment((ROWS, bn), dtype)  # P: one register set a consumer, or two in turn
+            pa1 = T.alloc_fragment((ROWS, bn), dtype)
+            pb0 = T.alloc_fragment((ROWS, bn), dtype) if p_sets == 2 else pa0
+            pb1 = T.alloc_fragment((ROWS, bn), dtype) if p_sets == 2 else pa1
+            o0 = T.alloc_fragment((ROWS, d), acc)
+            o1 = T.alloc_fragment((ROWS, d), acc)
+            mc0 = T.alloc_fragment((ROWS,), acc)
+            mc1 = T.alloc_fragment((ROWS,), acc)
+            mp0 = T.alloc_fragment((ROWS,), acc)
+            mp1 = T.alloc_fragment((ROWS,), acc)
+            r0 = T.alloc_fragment((ROWS,), acc)
+            r1 = T.alloc_fragment((ROWS,), acc)
+            rs0 = T.alloc_fragment((ROWS,), acc)
+            rs1 = T.alloc_fragment((ROWS,), acc)
+            dn0 = T.alloc_fragment((ROWS,), acc)
+            dn1 = T.alloc_fragment((ROWS,), acc)
+            q_full = T.alloc_barrier([1, 1])
+            k_full = T.alloc_barrier([1, 1])
+            v_full = T.alloc_barrier([1, 1])
+            k_empty = T.alloc_barrier([256, 256])  # every consumer thread releases
+            v_empty = T.alloc_barrier([256, 256])
+            kvh = by // groups
+            # Causal: blocks past the diagonal of the tile's last row are skipped entirely.
+            n_blocks = T.min(n_kv, T.ceildiv((bx + 1) * bm, bn)) if causal else n_kv
+            tid = T.get_thread_binding()
+            arrive = {"emit_arrive": 1}
+
+            if tid >= 256:  # the producer
+                T.set_max_nreg(24, 0)
+                T.tma_copy(Q[bz, by, bx * bm : bx * bm + ROWS, :], q0, barrier=q_full[0], annotations=arrive)
+                T.tma_copy(Q[bz, by, bx * bm + ROWS : bx * bm + bm, :], q1, barrier=q_full[1], annotations=arrive)
+                for j in T.serial(n_blocks):
+                    st, ph = j % 2, (j // 2) & 1
+                    T.mbarrier_wait_parity(k_empty[st], ph ^ 1)  # a fresh barrier passes parity 1
+                    T.tma_copy(
+                        K[bz, kvh, j * bn : j * bn + bn, :], k_s[st, :, :], barrier=k_full[st], annotations=arrive
+                    )
+                    T.mbarrier_wait_parity(v_empty[st], ph ^ 1)
+                    T.tma_copy(
+                        V[bz, kvh, j * bn : j * bn + bn, :], v_s[st, :, :], barrier=v_full[st], annotations=arrive
+                    )
+            elif tid < 128:
+                T.set_max_nreg(240, 1)
+                consumer(
+                    0,
+                    q0,
+                    s0,
+                    pa0,
+                    pb0,
+                    o0,
+                    mc0,
+                    mp0,
+                    r0,
+                    rs0,
+                    dn0,
+                    k_s,
+                    v_s,
+                    q_full,
+                    k_full,
+                    v_full,
+                    k_empty,
+                    v_empty,
+                    O,
+                    bx,
+                    by,
+                    bz,
+                    n_blocks,
+                )
+            else:
+                T.set_max_nreg(240, 1)
+                consumer(
+                    1,
+                    q1,
+                    s1,
+                    pa1,
+                    pb1,
+                    o1,
+                    mc1,
+                    mp1,
+                    r1,
+                    rs1,
+                    dn1,
+                    k_s,
+                    v_s,
+                    q_full,
+                    k_full,
+                    v_full,
+                    k_empty,
+                    v_empty,
+                    O,
+                    bx,
+                    by,
+                    bz,
+                    n_blocks,
+                )
+
+    return main
