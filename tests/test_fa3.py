@@ -75,22 +75,24 @@ def test_domain_is_refused_in_one_line(seq: int, head_dim: int, causal: bool, cf
 
 @pytest.mark.skipif(not SM90, reason="no sm90 GPU: the FA3 schedule's values need one")
 @pytest.mark.parametrize(
-    ("causal", "kv_heads", "seq", "cfg"),
+    ("causal", "kv_heads", "seq_q", "seq_kv", "cfg"),
     [
-        (False, 8, 2048, {"block_N": 128}),
-        (True, 8, 2048, {"block_N": 128}),
-        (True, 2, 1024, {"block_N": 64, "p_sets": 2}),  # GQA, odd block counts per tile
-        (False, 8, 384, {"block_N": 64, "p_sets": 2}),
+        (False, 8, 2048, 2048, {"block_N": 128}),
+        (True, 8, 2048, 2048, {"block_N": 128}),
+        (True, 2, 1024, 1024, {"block_N": 64, "p_sets": 2}),  # GQA; 2(bx+1) blocks a tile: the odd tail step
+        (False, 8, 384, 384, {"block_N": 64, "p_sets": 2}),  # 6 blocks: the tail step
+        (False, 8, 256, 192, {"block_N": 64, "p_sets": 2}),  # 3 blocks: no tail, P(last) in the first set
     ],
 )
-def test_values_against_float64(causal: bool, kv_heads: int, seq: int, cfg: dict[str, Any]) -> None:
+def test_values_against_float64(causal: bool, kv_heads: int, seq_q: int, seq_kv: int, cfg: dict[str, Any]) -> None:
     import tilelang
 
     b, h, d = 2, 8, 128
-    g = torch.Generator(device="cuda").manual_seed(seq)
-    q, k, v = (torch.randn(b, n, seq, d, generator=g, device="cuda").half() for n in (h, kv_heads, kv_heads))
+    g = torch.Generator(device="cuda").manual_seed(seq_q + seq_kv)
+    q = torch.randn(b, h, seq_q, d, generator=g, device="cuda").half()
+    k, v = (torch.randn(b, kv_heads, seq_kv, d, generator=g, device="cuda").half() for _ in range(2))
     kernel = tilelang.compile(
-        fa3.program(b, h, kv_heads, seq, seq, d, causal, "float16", cfg),
+        fa3.program(b, h, kv_heads, seq_q, seq_kv, d, causal, "float16", cfg),
         target=_config.target("sm90"),
         pass_configs={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True},
     )

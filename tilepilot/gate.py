@@ -240,8 +240,10 @@ class AsvMachine:
             if not any(n.startswith(f"{a[:8]}-") for n in self.names):
                 continue
             for res in reversed(self.of(a)):
-                # A partial run writes NaN for a case it did not measure: no baseline, look further back.
-                if (got := res.get("track_kernel_ms", case)) is not None and _finite(got[0]):
+                # A partial run writes NaN (asv's n/a) for a case it did not measure: look further back.
+                # None is asv's "failed": that baseline stands, and the check says it has no latency.
+                got = res.get("track_kernel_ms", case)
+                if got is not None and not (isinstance(got[0], float) and math.isnan(got[0])):
                     return res
         return None
 
