@@ -42,8 +42,8 @@ def _git(*args: str, cwd: Path = ROOT) -> str:
     return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout
 
 
-def blob_hash(path: Path) -> str:
-    data = path.read_bytes()
+def blob_hash(data: bytes) -> str:
+    """git's object id of a blob with these bytes (a file's content, or a link's target)."""
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
@@ -111,13 +111,9 @@ def differences(bundle: Path, cwd: Path, home: bool = False) -> list[str]:
     for path, (mode, sha) in sorted(want.items()):
         p = cwd / path
         if mode == "120000":
-            ok = (
-                p.is_symlink()
-                and hashlib.sha1(b"blob %d\0" % len(os.readlink(p).encode()) + os.readlink(p).encode()).hexdigest()
-                == sha
-            )
+            ok = p.is_symlink() and blob_hash(os.readlink(p).encode()) == sha
         else:
-            ok = p.is_file() and not p.is_symlink() and blob_hash(p) == sha
+            ok = p.is_file() and not p.is_symlink() and blob_hash(p.read_bytes()) == sha
             ok = ok and (mode == "100755") == os.access(p, os.X_OK)
         if not ok:
             out.append(f"{'changed' if p.exists() or p.is_symlink() else 'missing'}: {path}")
