@@ -65,9 +65,10 @@ def minimize(
                 stopped = f"max_tries: {max_tries} tries made"
                 break
             # The next try must fit: its timeout, or the longest try so far where it has none (a compile).
-            if time.monotonic() + max(try_s, longest) > deadline:
+            need = max(try_s, longest)
+            if time.monotonic() + need > deadline:
                 stopped = f"budget: {budget_s:.0f}s for minimizing spent" + (
-                    f" (a try may take {max(try_s, longest):.0f}s)" if max(try_s, longest) else ""
+                    f" (a try may take {need:.0f}s)" if need else ""
                 )
                 break
             t0 = time.monotonic()
