@@ -1,13 +1,14 @@
 """Checks, then times, kernels.attention.fa3's variants against SDPA and the pinned kernel (issue 21).
 
-    python3 scripts/h200-fa3-probe.py OUT.json [--cases all|quick] [--variants 128x1,64x1,64x2]
+    python3 scripts/h200-fa3-probe.py OUT.json [--cases all|quick] [--variants 128x1,64x2,128x1p,64x2p]
 
 Per case (prefill shapes of the pilot: Llama-3-8B GQA 32/8 and MHA, fp16 and bf16, causal and not,
 head_dim 128): each variant is compiled, its output poisoned with NaN and checked against SDPA in
 float32 (relative Frobenius error under 1e-2, every element written) before it is timed; a variant
 that fails is recorded with its error and never timed. Timing is tilepilot.timing's (L2 flushed,
 batches alternated with the references under one clock state, the clock recorded): the variant,
-SDPA's own call for the case, and the pinned kernels.attention config. Variants are "<block_N>x<p_sets>".
+SDPA's own call for the case, and the pinned kernels.attention config. Variants are "<block_N>x<p_sets>",
+with a trailing "p" for the consumers' ping-pong (fa3's `pingpong`).
 """
 
 from __future__ import annotations
@@ -38,15 +39,20 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
     ap.add_argument("--cases", choices=sorted(CASES), default="all")
-    ap.add_argument("--variants", default="128x1,64x1,64x2")
+    ap.add_argument("--variants", default="128x1,64x2,128x1p,64x2p")
     args = ap.parse_args()
     try:
         variants = [
-            dict(zip(("block_N", "p_sets"), map(int, v.split("x")), strict=True)) for v in args.variants.split(",")
+            {
+                **dict(zip(("block_N", "p_sets"), map(int, v.removesuffix("p").split("x")), strict=True)),
+                "pingpong": int(v.endswith("p")),
+            }
+            for v in args.variants.split(",")
         ]
     except ValueError:
         print(
-            f"h200-fa3-probe: --variants {args.variants!r}: give <block_N>x<p_sets>, comma-separated", file=sys.stderr
+            f"h200-fa3-probe: --variants {args.variants!r}: give <block_N>x<p_sets>[p], comma-separated",
+            file=sys.stderr,
         )
         return 2
 
@@ -82,7 +88,7 @@ def main() -> int:
         out_p = torch.empty_like(q)
         fns["pinned"] = lambda kp=pinned, o=out_p, q=q, k=k, v=v: kp(q, k, v, o)
         for var in variants:
-            name = f"fa3-{var['block_N']}x{var['p_sets']}"
+            name = f"fa3-{var['block_N']}x{var['p_sets']}{'p' * var['pingpong']}"
             entry: dict[str, Any] = {"variant": name}
             try:
                 kern = tilelang.compile(

@@ -33,11 +33,18 @@ def _source(causal: bool, head_dim: int, cfg: dict[str, Any], kv_heads: int = 8)
 
 
 @pytest.mark.parametrize(
-    ("causal", "head_dim", "block_n", "p_sets"),
-    [(False, 128, 128, 1), (True, 128, 128, 1), (False, 128, 64, 2), (True, 64, 64, 1)],
+    ("causal", "head_dim", "block_n", "p_sets", "pingpong"),
+    [
+        (False, 128, 128, 1, 0),
+        (True, 128, 128, 1, 0),
+        (False, 128, 64, 2, 0),
+        (True, 64, 64, 1, 0),
+        (False, 128, 128, 1, 1),
+        (True, 128, 64, 2, 1),
+    ],
 )
 def test_compiles_with_the_wgmmas_in_flight(
-    tmp_path: Path, causal: bool, head_dim: int, block_n: int, p_sets: int
+    tmp_path: Path, causal: bool, head_dim: int, block_n: int, p_sets: int, pingpong: int
 ) -> None:
     """nvcc with TileLang's own options and ptxas's report: ptxas serializes every wgmma of a kernel
     whose pipeline it cannot follow (C7514) or whose registers do not suffice (C7512), and says so."""
@@ -45,9 +52,13 @@ def test_compiles_with_the_wgmmas_in_flight(
         pytest.fail("nvcc is not on PATH: compile-only checks need CUDA's nvcc (CUDA 13.0)")
     from tilelang.cuda.backend import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
 
-    src = _source(causal, head_dim, {"block_N": block_n, "p_sets": p_sets})
+    src = _source(causal, head_dim, {"block_N": block_n, "p_sets": p_sets, "pingpong": pingpong})
     # The schedule in the source: Q·Kᵀ(j) and P·V(j-1) issued before the first wait, which leaves one.
     assert "wait_wgmma<1>" in src and src.count("wgmma_rs") >= 2 and "tma_load" in src
+    # Ping-pong: each consumer waits for its turn (bar.sync 1 or 2 of 256 threads) and gives the other
+    # one its turn (bar.arrive); none of it without the knob.
+    turns = ("__sync_thread_partial(1, 256)", "__sync_thread_partial(2, 256)", "__named_barrier_arrive(1, 256)")
+    assert all((t in src) == bool(pingpong) for t in (*turns, "__named_barrier_arrive(2, 256)"))
     cu = tmp_path / "fa3.cu"
     cu.write_text(src)
     cmd = ["nvcc", "-std=c++20", f"-I{TILELANG_TEMPLATE_PATH}", f"-I{CUTLASS_INCLUDE_DIR}", "--use_fast_math"]
@@ -65,6 +76,7 @@ def test_compiles_with_the_wgmmas_in_flight(
         (2048, 96, False, {"block_N": 128}, "head_dim=96"),
         (2048, 128, False, {"block_N": 128, "p_sets": 2}, "p_sets=2 needs block_N=64"),
         (2048, 128, False, {"block_N": 32}, "block_N=32"),
+        (2048, 128, False, {"block_N": 128, "pingpong": 2}, "pingpong=2"),
     ],
 )
 def test_domain_is_refused_in_one_line(seq: int, head_dim: int, causal: bool, cfg: dict[str, Any], says: str) -> None:
@@ -82,6 +94,11 @@ def test_domain_is_refused_in_one_line(seq: int, head_dim: int, causal: bool, cf
         (True, 2, 1024, 1024, {"block_N": 64, "p_sets": 2}),  # GQA; 2(bx+1) blocks a tile: the odd tail step
         (False, 8, 384, 384, {"block_N": 64, "p_sets": 2}),  # 6 blocks: the tail step
         (False, 8, 256, 192, {"block_N": 64, "p_sets": 2}),  # 3 blocks: no tail, P(last) in the first set
+        # Ping-pong: turns over 16 blocks; causal tiles of one block (no turn at all) up to 16.
+        (False, 8, 2048, 2048, {"block_N": 128, "pingpong": 1}),
+        (True, 8, 2048, 2048, {"block_N": 128, "pingpong": 1}),
+        (True, 2, 1024, 1024, {"block_N": 64, "p_sets": 2, "pingpong": 1}),
+        (False, 8, 256, 192, {"block_N": 64, "p_sets": 2, "pingpong": 1}),
     ],
 )
 def test_values_against_float64(causal: bool, kv_heads: int, seq_q: int, seq_kv: int, cfg: dict[str, Any]) -> None:

@@ -17,13 +17,19 @@ pipeline, which releases a K/V stage at the issue. Here nothing is automatic:
 - Registers: the consumers raise theirs to 240 (two S-sized tiles live, S(j) in fp32 and P(j-1) in
   16 bits, beside O), the producer lowers its own to 24 (`T.set_max_nreg`).
 
-Not yet: the ping-pong of the two consumers (named barriers, one turn a block), causal blocks split
-into unmasked and diagonal loops, a persistent grid. Each is measured alone once this one is correct.
+- Ping-pong (knob `pingpong`): the consumers take turns at the tensor cores, one turn a key block,
+  through named barriers 1 and 2 (TileLang's own __syncthreads is barrier 0): a consumer waits for its
+  turn before it issues Q·Kᵀ(j), and gives the turn away once P·V(j-1) is issued, so that one
+  consumer's softmax runs under the other's wgmmas (FA3's inter-warpgroup overlap).
+
+Not yet: causal blocks split into unmasked and diagonal loops, a persistent grid. Each is measured
+alone once this one is correct.
 
 Knobs: block_N (64 or 128 keys a block) and p_sets: 1 keeps P(j) in the registers that P·V(j-1)
 reads, so its cast waits for that wgmma (ptxas then waits before the softmax too: compiled here, the
 SASS of block_N=128 runs no exp under P·V), 2 alternates two register sets, two blocks a turn (only
-at block_N=64: at 128 ptxas spills and serializes every wgmma). Which is faster is the probe's to say.
+at block_N=64: at 128 ptxas spills and serializes every wgmma); pingpong 0 or 1. Which is faster is
+the probe's to say.
 
 The domain is what the probe needs, said and refused outside it: head_dim 64 or 128, query and key
 lengths multiples of the 128-row tile and of block_N (no partial tile: the TMA boxes and the store
@@ -31,17 +37,46 @@ have no bounds), causal only with equal lengths (top-left, as SDPA's is_causal).
 """
 # No `from __future__ import annotations` here: TileLang evaluates the prim_func annotations itself.
 
-from typing import Any
+from typing import Any, NamedTuple
 
 LOG2E = 1.44269504
 ROWS = 64  # query rows a consumer warpgroup: one wgmma's M
 
 
+class Frags(NamedTuple):
+    """One consumer warpgroup's tiles: its Q, S, P (one or two register sets), O and row statistics."""
+
+    q: Any
+    s: Any
+    pa: Any
+    pb: Any
+    o: Any
+    m_cur: Any
+    m_prev: Any
+    rescale: Any
+    row_sum: Any
+    denom: Any
+
+
+class Ring(NamedTuple):
+    """The K/V stages and the mbarriers that order the producer and the consumers."""
+
+    k_s: Any
+    v_s: Any
+    q_full: Any
+    k_full: Any
+    v_full: Any
+    k_empty: Any
+    v_empty: Any
+
+
 def check(seq_q: int, seq_kv: int, head_dim: int, causal: bool, cfg: dict[str, Any]) -> None:
     """Refuses a shape outside the kernel's domain, in one line."""
-    bn, p_sets = int(cfg["block_N"]), int(cfg.get("p_sets", 1))
-    if bn not in (64, 128) or p_sets not in (1, 2):
-        raise ValueError(f"fa3: block_N={bn}, p_sets={p_sets}: block_N is 64 or 128, p_sets 1 or 2")
+    bn, p_sets, pp = int(cfg["block_N"]), int(cfg.get("p_sets", 1)), cfg.get("pingpong", 0)
+    if bn not in (64, 128) or p_sets not in (1, 2) or pp not in (0, 1):
+        raise ValueError(
+            f"fa3: block_N={bn}, p_sets={p_sets}, pingpong={pp!r}: block_N is 64 or 128, p_sets 1 or 2, pingpong 0 or 1"
+        )
     if p_sets == 2 and bn > 64:  # 2 x 32 registers of P beside S and O: ptxas spills and serializes (C7512)
         raise ValueError("fa3: p_sets=2 needs block_N=64 (at 128, ptxas spills and serializes the wgmmas)")
     if head_dim not in (64, 128):
@@ -73,6 +108,7 @@ def program(
     n_kv = seq_kv // bn
     s_regs = ROWS * bn // 128  # 32-bit registers a consumer thread holds of S
     p_sets = int(cfg.get("p_sets", 1))
+    pingpong = bool(cfg.get("pingpong", 0))
 
     @T.macro
     def softmax(s: Any, m_cur: Any, m_prev: Any, rescale: Any, row_sum: Any, denom: Any) -> None:
@@ -99,190 +135,83 @@ def program(
                 s[i, c] = 0
 
     @T.macro
-    def step(
-        j: Any,
-        q: Any,
-        s: Any,
-        p_prev: Any,
-        p_next: Any,
-        o: Any,
-        m_cur: Any,
-        m_prev: Any,
-        rescale: Any,
-        row_sum: Any,
-        denom: Any,
-        k_s: Any,
-        v_s: Any,
-        k_full: Any,
-        v_full: Any,
-        k_empty: Any,
-        v_empty: Any,
-        row0: Any,
-    ) -> None:
-        """Key block j: Q·Kᵀ(j) and P·V(j-1) in flight together, the softmax of j under P·V(j-1)."""
-        mask(s, row0, j)
-        T.mbarrier_wait_parity(k_full[j % 2], (j // 2) & 1)
-        T.wgmma_gemm(q, k_s[j % 2, :, :], s, transpose_B=True)  # Q·Kᵀ(j)
-        for i, c in T.Parallel(ROWS, d):  # O to the scale of block j-1, before P·V(j-1) adds to it
-            o[i, c] *= rescale[i]
-        T.mbarrier_wait_parity(v_full[(j - 1) % 2], ((j - 1) // 2) & 1)
-        T.wgmma_gemm(p_prev, v_s[(j - 1) % 2, :, :], o)  # P·V(j-1)
+    def step(j: Any, c: Any, r: Any, p_prev: Any, p_next: Any, row0: Any, w: int, n_blocks: Any) -> None:
+        """Key block j of consumer c (its fragments) over the ring r: Q·Kᵀ(j) and P·V(j-1) in flight
+        together, the softmax of j under P·V(j-1)."""
+        mask(c.s, row0, j)
+        T.mbarrier_wait_parity(r.k_full[j % 2], (j // 2) & 1)
+        if pingpong:  # this warpgroup's turn at the tensor cores: the other one's softmax runs meanwhile
+            T.sync_threads(1 + w, 256)
+        T.wgmma_gemm(c.q, r.k_s[j % 2, :, :], c.s, transpose_B=True)  # Q·Kᵀ(j)
+        for i, e in T.Parallel(ROWS, d):  # O to the scale of block j-1, before P·V(j-1) adds to it
+            c.o[i, e] *= c.rescale[i]
+        T.mbarrier_wait_parity(r.v_full[(j - 1) % 2], ((j - 1) // 2) & 1)
+        T.wgmma_gemm(p_prev, r.v_s[(j - 1) % 2, :, :], c.o)  # P·V(j-1)
+        if pingpong:
+            # The other warpgroup's turn. Consumer 1's last arrive would open a turn consumer 0 never
+            # takes: a named barrier left half-arrived at exit. Its first turn comes from consumer()'s.
+            if w == 0:
+                T.named_barrier_arrive(2, 256)
+            elif j < n_blocks - 1:
+                T.named_barrier_arrive(1, 256)
         T.wait_wgmma(1)  # Q·Kᵀ(j) done; P·V(j-1) may still run
-        T.mbarrier_arrive(k_empty[j % 2])
-        softmax(s, m_cur, m_prev, rescale, row_sum, denom)
+        T.mbarrier_arrive(r.k_empty[j % 2])
+        softmax(c.s, c.m_cur, c.m_prev, c.rescale, c.row_sum, c.denom)
         if p_sets == 2:
             # P(j) into the other register set: P(j-1) is still read by the wgmma in flight. Cast
             # into the same registers, ptxas waits for that wgmma before the softmax, whose exps it
             # interleaves with the cast.
-            T.copy(s, p_next)
+            T.copy(c.s, p_next)
             T.wait_wgmma(0)  # P·V(j-1) done: V(j-1) free, O complete to block j-1
-            T.mbarrier_arrive(v_empty[(j - 1) % 2])
+            T.mbarrier_arrive(r.v_empty[(j - 1) % 2])
         else:
             # The wait orders memory, not registers: the fence on S keeps the softmax's math above it.
-            T.warpgroup_fence_operand(s, num_regs=s_regs)
+            T.warpgroup_fence_operand(c.s, num_regs=s_regs)
             T.wait_wgmma(0)
-            T.mbarrier_arrive(v_empty[(j - 1) % 2])
-            T.copy(s, p_next)
+            T.mbarrier_arrive(r.v_empty[(j - 1) % 2])
+            T.copy(c.s, p_next)
 
     @T.macro
-    def consumer(
-        w: int,
-        q: Any,
-        s: Any,
-        pa: Any,
-        pb: Any,
-        o: Any,
-        m_cur: Any,
-        m_prev: Any,
-        rescale: Any,
-        row_sum: Any,
-        denom: Any,
-        k_s: Any,
-        v_s: Any,
-        q_full: Any,
-        k_full: Any,
-        v_full: Any,
-        k_empty: Any,
-        v_empty: Any,
-        O: Any,
-        bx: Any,
-        by: Any,
-        bz: Any,
-        n_blocks: Any,
-    ) -> None:
+    def consumer(w: int, c: Any, r: Any, O: Any, bx: Any, by: Any, bz: Any, n_blocks: Any) -> None:
         # Straight-line code between a wgmma's issue and its wait (stages by index, the first block
         # peeled, P in two register sets taken in turn: the loop goes two blocks a turn): ptxas
         # serializes every wgmma of a function whose pipeline it cannot follow.
         row0 = bx * (2 * ROWS) + w * ROWS  # this warpgroup's first query row
-        T.fill(o, 0)
-        T.fill(denom, 0)
-        T.fill(m_cur, -T.infinity(acc))
-        T.mbarrier_wait_parity(q_full[w], 0)
-        mask(s, row0, 0)
-        T.mbarrier_wait_parity(k_full[0], 0)
-        T.wgmma_gemm(q, k_s[0, :, :], s, transpose_B=True)
+        T.fill(c.o, 0)
+        T.fill(c.denom, 0)
+        T.fill(c.m_cur, -T.infinity(acc))
+        T.mbarrier_wait_parity(r.q_full[w], 0)
+        mask(c.s, row0, 0)
+        T.mbarrier_wait_parity(r.k_full[0], 0)
+        T.wgmma_gemm(c.q, r.k_s[0, :, :], c.s, transpose_B=True)
         T.wait_wgmma(0)
-        T.mbarrier_arrive(k_empty[0])
-        softmax(s, m_cur, m_prev, rescale, row_sum, denom)
-        T.copy(s, pa)
+        T.mbarrier_arrive(r.k_empty[0])
+        softmax(c.s, c.m_cur, c.m_prev, c.rescale, c.row_sum, c.denom)
+        T.copy(c.s, c.pa)
+        if pingpong and w == 1 and n_blocks > 1:
+            T.named_barrier_arrive(1, 256)  # consumer 0 takes the first turn
         if p_sets == 1:
             for jj in T.serial(n_blocks - 1):
-                step(
-                    jj + 1,
-                    q,
-                    s,
-                    pa,
-                    pa,
-                    o,
-                    m_cur,
-                    m_prev,
-                    rescale,
-                    row_sum,
-                    denom,
-                    k_s,
-                    v_s,
-                    k_full,
-                    v_full,
-                    k_empty,
-                    v_empty,
-                    row0,
-                )
+                step(jj + 1, c, r, c.pa, c.pa, row0, w, n_blocks)
         else:  # two blocks a turn, so that P's register sets alternate by name
             for t in T.serial((n_blocks - 1) // 2):
-                step(
-                    2 * t + 1,
-                    q,
-                    s,
-                    pa,
-                    pb,
-                    o,
-                    m_cur,
-                    m_prev,
-                    rescale,
-                    row_sum,
-                    denom,
-                    k_s,
-                    v_s,
-                    k_full,
-                    v_full,
-                    k_empty,
-                    v_empty,
-                    row0,
-                )
-                step(
-                    2 * t + 2,
-                    q,
-                    s,
-                    pb,
-                    pa,
-                    o,
-                    m_cur,
-                    m_prev,
-                    rescale,
-                    row_sum,
-                    denom,
-                    k_s,
-                    v_s,
-                    k_full,
-                    v_full,
-                    k_empty,
-                    v_empty,
-                    row0,
-                )
+                step(2 * t + 1, c, r, c.pa, c.pb, row0, w, n_blocks)
+                step(2 * t + 2, c, r, c.pb, c.pa, row0, w, n_blocks)
             if (n_blocks - 1) % 2 == 1:  # one block left: P(last) ends in pb
-                step(
-                    n_blocks - 1,
-                    q,
-                    s,
-                    pa,
-                    pb,
-                    o,
-                    m_cur,
-                    m_prev,
-                    rescale,
-                    row_sum,
-                    denom,
-                    k_s,
-                    v_s,
-                    k_full,
-                    v_full,
-                    k_empty,
-                    v_empty,
-                    row0,
-                )
+                step(n_blocks - 1, c, r, c.pa, c.pb, row0, w, n_blocks)
         last = n_blocks - 1
-        for i, c in T.Parallel(ROWS, d):
-            o[i, c] *= rescale[i]
-        T.mbarrier_wait_parity(v_full[last % 2], (last // 2) & 1)
+        for i, e in T.Parallel(ROWS, d):
+            c.o[i, e] *= c.rescale[i]
+        T.mbarrier_wait_parity(r.v_full[last % 2], (last // 2) & 1)
         if p_sets == 2 and last % 2 == 1:
-            T.wgmma_gemm(pb, v_s[last % 2, :, :], o)
+            T.wgmma_gemm(c.pb, r.v_s[last % 2, :, :], c.o)
         else:
-            T.wgmma_gemm(pa, v_s[last % 2, :, :], o)
+            T.wgmma_gemm(c.pa, r.v_s[last % 2, :, :], c.o)
         T.wait_wgmma(0)
-        T.mbarrier_arrive(v_empty[last % 2])
-        for i, c in T.Parallel(ROWS, d):
-            o[i, c] /= denom[i]
-        T.copy(o, O[bz, by, row0 : row0 + ROWS, :])
+        T.mbarrier_arrive(r.v_empty[last % 2])
+        for i, e in T.Parallel(ROWS, d):
+            c.o[i, e] /= c.denom[i]
+        T.copy(c.o, O[bz, by, row0 : row0 + ROWS, :])
 
     @T.prim_func
     def main(
@@ -320,6 +249,10 @@ def program(
             v_full = T.alloc_barrier([1, 1])
             k_empty = T.alloc_barrier([256, 256])  # every consumer thread releases
             v_empty = T.alloc_barrier([256, 256])
+            # What the macros read, by name: a consumer's fragments, and the ring with its barriers.
+            c0 = Frags(q0, s0, pa0, pb0, o0, mc0, mp0, r0, rs0, dn0)
+            c1 = Frags(q1, s1, pa1, pb1, o1, mc1, mp1, r1, rs1, dn1)
+            ring = Ring(k_s, v_s, q_full, k_full, v_full, k_empty, v_empty)
             kvh = by // groups
             # Causal: blocks past the diagonal of the tile's last row are skipped entirely.
             n_blocks = T.min(n_kv, T.ceildiv((bx + 1) * bm, bn)) if causal else n_kv
@@ -342,57 +275,9 @@ def program(
                     )
             elif tid < 128:
                 T.set_max_nreg(240, 1)
-                consumer(
-                    0,
-                    q0,
-                    s0,
-                    pa0,
-                    pb0,
-                    o0,
-                    mc0,
-                    mp0,
-                    r0,
-                    rs0,
-                    dn0,
-                    k_s,
-                    v_s,
-                    q_full,
-                    k_full,
-                    v_full,
-                    k_empty,
-                    v_empty,
-                    O,
-                    bx,
-                    by,
-                    bz,
-                    n_blocks,
-                )
+                consumer(0, c0, ring, O, bx, by, bz, n_blocks)
             else:
                 T.set_max_nreg(240, 1)
-                consumer(
-                    1,
-                    q1,
-                    s1,
-                    pa1,
-                    pb1,
-                    o1,
-                    mc1,
-                    mp1,
-                    r1,
-                    rs1,
-                    dn1,
-                    k_s,
-                    v_s,
-                    q_full,
-                    k_full,
-                    v_full,
-                    k_empty,
-                    v_empty,
-                    O,
-                    bx,
-                    by,
-                    bz,
-                    n_blocks,
-                )
+                consumer(1, c1, ring, O, bx, by, bz, n_blocks)
 
     return main
