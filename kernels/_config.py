@@ -1,7 +1,7 @@
 """Per-device pinned kernel configs (kernels/configs/<device>.toml) and the rules that pick one.
 
-A rule's `when` table matches case dimensions (`<dim>_min`, `<dim>_max`) and names (dtype, layout,
-mask). Matching rules apply in file order, each overriding config keys; the first matching rule
+A rule's `when` table matches case dimensions (`<dim>_min`, `<dim>_max`, `<dim>_multiple` of a
+number, `<dim>_eq` another dimension's name) and names (dtype, layout, mask). Matching rules apply in file order, each overriding config keys; the first matching rule
 that names a `backend` decides what ships and ends the walk: "framework" sends the call to the
 framework op with its measured `reason`, "tilelang" ships the kernel where it measured faster.
 """
@@ -137,6 +137,12 @@ def matches(when: dict[str, Any], facts: dict[str, Any]) -> bool:
         elif key.endswith("_min"):
             if facts[key[:-4]] < want:
                 return False
+        elif key.endswith("_multiple"):  # a kernel without partial tiles: the dimension a tile's multiple
+            if facts[key[:-9]] % want:
+                return False
+        elif key.endswith("_eq"):  # two dimensions equal (causal FA3: queries as long as the keys)
+            if facts[key[:-3]] != facts[want]:
+                return False
         elif facts[key] != want:
             return False
     return True
@@ -210,7 +216,10 @@ def _resolve(device: str, op: str, facts: dict[str, Any], forced: str | None) ->
                 break
     for entry in load_tuned(device).get(op, []):
         if matches(entry["when"], facts):
-            base.update(entry["config"])
+            # A winner is of the schedule it was tuned on: where a rule has since put another
+            # schedule on the case (attention's fa3), its knobs would describe a kernel not built.
+            if entry["config"].get("schedule", "auto") == base.get("schedule", "auto"):
+                base.update(entry["config"])
             break
     if forced == "framework":
         return Choice("framework", base, "kernels.use_backend('framework')")

@@ -88,7 +88,9 @@ def h200(tmp_path: Path) -> Path:
 
 
 def off_pin_copy(tree: Path, machine: str, rid: str = "20261231T000000Z", tilelang: str = NEW) -> Path:
-    """The newest H200 run of COMMIT filed under `machine` as run `rid`, every record saying `tilelang`."""
+    """The newest H200 run of COMMIT filed under `machine` as run `rid`, every record saying `tilelang`,
+    and run.json listing the difference from the pins as a real side's pilot does (its `unpinned`:
+    the H100 sides of 2026-12-06 were BLOCKED on it before the gate learnt to read it)."""
     dst = tree / "records" / machine / COMMIT / rid
     shutil.copytree(tree / "records" / MACHINE / COMMIT / NEWEST, dst)
     for f in dst.glob("*.json"):
@@ -97,6 +99,8 @@ def off_pin_copy(tree: Path, machine: str, rid: str = "20261231T000000Z", tilela
             data["env"]["tilelang"] = tilelang
             data["run"] = rid
             data["machine"] = machine
+            if data.get("kind") == "run" and tilelang != BASE:
+                data["unpinned"] = [f"tilelang {tilelang} != pinned {BASE}"]
             f.write_text(json.dumps(data))
     return dst
 
@@ -141,8 +145,14 @@ def test_gate_judges_the_pinned_run_and_names_the_off_pin_side(h200: Path, tmp_p
     shutil.copytree(side, h200 / "records" / MACHINE / COMMIT / "20261231T000000Z")
     for f in (h200 / "records" / MACHINE / COMMIT / "20261231T000000Z").glob("*.json"):
         edit(f, lambda d: d.update(machine=MACHINE) if "machine" in d else None)
+    edit(h200 / "records" / MACHINE / COMMIT / "20261231T000000Z" / "run.json", lambda d: d.update(failed=False))
     r = tilepilot("gate", "--commit", COMMIT, "--results", str(h200), "--out", str(tmp_path / "gate2"))
     assert r.returncode == 1 and f"tilelang {NEW} != pinned {BASE}" in r.stdout + r.stderr, r.stdout + r.stderr
+    # The difference the run recorded (run.json `unpinned`) fails it too, alone: never an A/B side's pass.
+    gate2 = json.loads((tmp_path / "gate2" / "gate.json").read_text())
+    (sm90,) = [d for d in gate2["devices"] if d["device"] == "sm90"]
+    problems = sm90["run_problems"]
+    assert any(f"the run was off its pins (tilelang {NEW} != pinned {BASE})" in p for p in problems), problems
 
 
 def test_ab_of_two_gpu_sides_that_agree_is_safe_and_moves_the_pin(h200: Path, tmp_path: Path) -> None:

@@ -122,3 +122,81 @@ def test_values_against_float64(causal: bool, kv_heads: int, seq_q: int, seq_kv:
     assert torch.isfinite(out).all(), "a row of the output was never written"
     err = float((out.double() - exact).norm() / exact.norm())
     assert err < 2e-3, err
+
+
+# -- where the rules put it (kernels/configs/sm90.toml) --------------------------------------------
+
+
+def _in_domain(seq_q: int, seq_kv: int, head_dim: int, causal: bool) -> bool:
+    """What the sm90 rules promise: head_dim 128, 2048 queries up, aligned lengths, causal only square."""
+    aligned = seq_q % 128 == 0 and seq_kv % 128 == 0
+    return head_dim == 128 and seq_q >= 2048 and aligned and (not causal or seq_q == seq_kv)
+
+
+def test_the_rules_pin_fa3_exactly_inside_its_domain_and_ship_sdpa() -> None:
+    """Over a grid of shapes around the domain's edges: the sm90 rules pick the fa3 schedule exactly
+    where it holds (so that fa3.check never refuses a pinned config), with the threads and stages it
+    runs; SDPA still ships everywhere (the probe measured fa3 under it); sm80 never gets it."""
+    from kernels.attention import facts
+
+    picked = 0
+    for seq_q in (1024, 2000, 2048, 4096, 4224):
+        for seq_kv in (1000, 1024, 2048, 4096, 4224):
+            for head_dim in (64, 128):
+                for mask in ("none", "causal"):
+                    f = facts(1, 32, 8, seq_q, seq_kv, head_dim, mask, "bfloat16")
+                    ch = _config.choose("sm90", "attention", f)
+                    assert ch is not None and ch.backend == "framework", f
+                    want = _in_domain(seq_q, seq_kv, head_dim, mask == "causal")
+                    assert (ch.config.get("schedule") == "fa3") == want, f
+                    if want:
+                        picked += 1
+                        assert (ch.config["threads"], ch.config["num_stages"], ch.config["block_M"]) == (384, 2, 128)
+                        assert ch.config["pingpong"] == (mask == "causal"), f  # the probe's faster variant
+                        fa3.check(seq_q, seq_kv, head_dim, mask == "causal", ch.config)  # no refusal
+                    ch80 = _config.choose("sm80", "attention", f)
+                    assert ch80 is not None and ch80.config.get("schedule", "auto") == "auto", f
+    assert picked == 3 * 4 + 3  # not causal: q in {2048, 4096, 4224}, kv those and 1024; causal: square
+
+
+def test_a_tuned_winner_of_the_automatic_schedule_is_not_laid_over_fa3() -> None:
+    """configs/tuned/sm90.toml holds winners tuned on the automatic pipeline (threads 256, one
+    stage on llama8b-s4096): on a case the rules now give fa3 they would describe a kernel that is
+    not built. A gemm winner still applies."""
+    from tilepilot import build, cases, matrix
+
+    tuned = _config.load_tuned("sm90")
+    by_id = {c.id: c for c in cases.expand(matrix.load())}
+    attn = [e for e in tuned.get("attention", []) if e["case"] in by_id]
+    gemm = [e for e in tuned.get("gemm", []) if e["case"] in by_id]
+    assert attn and gemm, "the tuned file has no attention or gemm winner of a matrix case left to check"
+    for e in attn:
+        cfg = build.choice(by_id[e["case"]], "sm90").config
+        assert cfg["schedule"] == "fa3" and cfg["threads"] == 384 and cfg["num_stages"] == 2, e["case"]
+    for e in gemm:
+        cfg = build.choice(by_id[e["case"]], "sm90").config
+        assert all(cfg[k] == v for k, v in e["config"].items()), e["case"]
+
+
+def test_rule_conditions_multiple_and_eq() -> None:
+    f = {"seq_q": 4096, "seq_kv": 4096, "mask": "causal"}
+    assert _config.matches({"seq_q_multiple": 128, "seq_kv_eq": "seq_q"}, f)
+    assert not _config.matches({"seq_q_multiple": 3000}, f)
+    assert not _config.matches({"seq_kv_eq": "seq_q"}, {**f, "seq_kv": 4224})
+
+
+@pytest.mark.parametrize(
+    ("cfg", "says"),
+    [
+        ({"schedule": "fa3", "block_M": 128, "block_N": 128, "num_stages": 2, "threads": 256}, "threads=384"),
+        ({"schedule": "fa4", "block_M": 128, "block_N": 128, "num_stages": 2, "threads": 256}, "'fa4'"),
+    ],
+)
+def test_a_schedule_the_config_does_not_describe_is_refused_in_one_line(cfg: dict[str, Any], says: str) -> None:
+    from kernels.attention import program, tunable  # the package's, not the public function `attention`
+
+    with pytest.raises(ValueError, match="schedule") as exc:
+        program(1, 32, 8, 4096, 4096, 128, False, "float16", cfg)
+    assert says in str(exc.value) and "\n" not in str(exc.value)
+    with pytest.raises(ValueError, match="tune space"):
+        tunable(1, 32, 8, 4096, 4096, 128, "none", "float16", {**cfg, "schedule": "fa3"})

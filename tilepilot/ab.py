@@ -563,9 +563,15 @@ def markdown(rep: dict[str, Any]) -> str:
     else:
         lines += ["model block: not measured on both sides", ""]
     changed = rep["codegen_changed"]
+    # What the comparison rests on: a cubin is compared only where both sides' caches kept one
+    # (TileLang 0.1.14 keeps none there: its binaries live inside each kernel's host library).
+    how = {k: sum(r.get("codegen") == k for r in rep["cases"]) for k in ("same", "same source", "unknown")}
     lines += [
         f"generated code changed in {len(changed)} of {len(rep['cases'])} cases"
-        + (f": {', '.join(changed)}" if changed else ""),
+        + (f": {', '.join(changed)}" if changed else "")
+        + f" (unchanged: CUDA source and cubin in {how['same']}, CUDA source alone in {how['same source']}"
+        + (f"; not compared in {how['unknown']}" if how["unknown"] else "")
+        + ")",
         "",
     ]
     if rep["blocking"]:

@@ -406,6 +406,22 @@ class Judged:
     dir: Path | None = None
 
 
+def _unexplained(unpinned: list[str], dev: matrix.Device) -> list[str]:
+    """The pin differences a run recorded (run.json `unpinned`, as "tilelang 0.1.14 != pinned 0.1.15")
+    that the row it is judged against does not hold. An A/B side declares its version (--stack), and
+    `tilepilot ab` judges it against the row with that version in place: there that difference is
+    the side's identity, not a fault. Against the matrix's own row it stays one, so the gate never
+    passes an off-pin run; a difference of anything else (driver, nvcc, Python) always stays."""
+    want = stack.pinned(dev)
+    out = []
+    for u in unpinned:
+        key, _, rest = u.partition(" ")
+        have = rest.split(" ", 1)[0].split("+")[0]
+        if not (key in ("tilelang", "torch") and want.get(key) == have):
+            out.append(u)
+    return out
+
+
 def load_run(
     root: Path, run: Run, device: str, commit: str, dev: matrix.Device, ops: list[str], want_model: bool
 ) -> Judged:
@@ -455,9 +471,12 @@ def load_run(
             j.problems.append(
                 f"record: {run.dir / 'run.json'}: a fault-injection run ({j.run.injected}), never a release run"
             )
-        if j.run.allow_unpinned or j.run.unpinned:
+        left = _unexplained(j.run.unpinned, dev)
+        if j.run.allow_unpinned or left:
             j.problems.append(
-                f"stack: the run was made with --allow-unpinned ({'; '.join(j.run.unpinned) or 'differences not recorded'})"
+                f"stack: the run was made with --allow-unpinned ({'; '.join(left or j.run.unpinned) or 'differences not recorded'})"
+                if j.run.allow_unpinned
+                else f"stack: {run.dir / 'run.json'}: the run was off its pins ({'; '.join(left)})"
             )
     if j.corr is not None and j.corr.schema_ == 1:
         if j.corr.pytest_exit != 0:

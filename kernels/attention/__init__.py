@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import _config, _dispatch
+from kernels.attention import fa3
 
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 HEAD_DIMS = (64, 128)
@@ -28,6 +29,17 @@ def program(
     dtype: str,
     cfg: dict[str, Any],
 ) -> Any:
+    if cfg.get("schedule", "auto") == "fa3":
+        # FlashAttention-3's schedule by hand (kernels/attention/fa3.py): its own 384 threads, two
+        # consumer warpgroups of 64 rows, a two-stage K/V ring; the config must say so, not differ.
+        if (cfg["block_M"], cfg["threads"], cfg["num_stages"]) != (2 * fa3.ROWS, 384, 2):
+            raise ValueError(
+                f"attention: schedule fa3 runs block_M={2 * fa3.ROWS}, threads=384, num_stages=2, "
+                f"not {cfg['block_M']}, {cfg['threads']}, {cfg['num_stages']}: set them in its rule"
+            )
+        return fa3.program(batch, heads, kv_heads, seq_q, seq_kv, head_dim, causal, dtype, cfg)
+    if cfg.get("schedule", "auto") != "auto":
+        raise ValueError(f"attention: schedule {cfg['schedule']!r} is 'auto' (TileLang's pipeline) or 'fa3'")
     import tilelang.language as T
 
     bm, bn, d = cfg["block_M"], cfg["block_N"], head_dim
@@ -123,6 +135,9 @@ def tunable(
     base: dict[str, Any],
 ) -> Callable[..., Any]:
     """The program as TileLang's AutoTuner takes it (see kernels.gemm.tunable)."""
+    if base.get("schedule", "auto") != "auto":
+        # Its knobs (block_N, p_sets, pingpong) are scripts/h200-fa3-probe.py's to search, not these.
+        raise ValueError(f"attention: the {base['schedule']} schedule has no tune space here; its rule pins it")
     knobs = {key: int(base[key]) for key in ("block_M", "block_N", "num_stages", "threads")}
     causal = mask == "causal"
     overlap = int(base.get("overlap", 0))  # not searched; fast_math is a compile option (tune passes it)

@@ -1,5 +1,7 @@
-"""FlashAttention-3's consumer schedule, written by hand for sm_90a (issue 21): not shipped, not pinned;
-`scripts/h200-fa3-probe.py` checks and measures it first.
+"""FlashAttention-3's consumer schedule, written by hand for sm_90a (issue 21): the pinned TileLang
+attention kernel where kernels/configs/sm90.toml's rules put it (`schedule = "fa3"`: head_dim 128,
+aligned lengths, 2048 queries up), not shipped (SDPA stays faster); `scripts/h200-fa3-probe.py`
+checks and measures its variants.
 
 Why: the pinned kernel (kernels.attention) leaves the schedule to TileLang's automatic pipeline, which
 issues nothing of the next key block's Q·Kᵀ before this block's softmax; at a locked clock it reaches
