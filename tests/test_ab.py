@@ -311,6 +311,11 @@ def _unpinned(d: dict[str, Any]) -> None:
             "operator 'attention'",
         ),
         ("--allow-unpinned", lambda side: edit(side / "run.json", _unpinned), "--allow-unpinned"),
+        (
+            "a difference beyond the declared version",
+            lambda side: edit(side / "run.json", lambda d: d["unpinned"].append("python 3.11 != pinned 3.12")),
+            "off its pins (python 3.11 != pinned 3.12)",
+        ),
     ],
 )
 def test_a_side_is_held_to_what_the_gate_holds_a_release_run_to(
@@ -694,3 +699,27 @@ def test_two_tilelang_releases_compile_only(tmp_path: Path, ab_cache: Path) -> N
     ]
     assert f"{broken}: correctness FAILED" in r.stdout
     print(f"two-stack A/B: {time.monotonic() - t0:.0f}s; codegen changed: {rep['codegen_changed']}")
+
+
+def test_a_recorded_difference_is_explained_only_by_the_row_that_holds_it() -> None:
+    """gate._unexplained: an A/B side's declared version passes against its own row (tilepilot ab's),
+    never against the matrix's (the release gate's); every other difference stays."""
+    from tilepilot import gate
+
+    dev = matrix.load().device("sm90")
+    side = dev.model_copy(update={"tilelang": NEW})
+    declared = f"tilelang {NEW} != pinned {BASE}"
+    assert gate._unexplained([declared], side) == []
+    assert gate._unexplained([declared], dev) == [declared]
+    others = [
+        "python 3.11 != pinned 3.12",
+        "torch built for CUDA 12.8 != pinned 13.0",
+        "nvcc 12.8 != pinned 13.0",
+        "driver 535.54.03 < pinned 580",
+        "torch not installed (pinned 2.11.0)",
+    ]
+    assert gate._unexplained(others, side) == others
+    torch_side = dev.model_copy(update={"torch": "2.12.0"})
+    assert gate._unexplained(["torch 2.12.0+cu130 != pinned 2.11.0"], torch_side) == []
+    local = f"tilelang {BASE}+gitabc != pinned {BASE}"  # a local build of TileLang is not the release
+    assert gate._unexplained([local], dev) == [local]

@@ -77,6 +77,7 @@ def test_compiles_with_the_wgmmas_in_flight(
         (2048, 128, False, {"block_N": 128, "p_sets": 2}, "p_sets=2 needs block_N=64"),
         (2048, 128, False, {"block_N": 32}, "block_N=32"),
         (2048, 128, False, {"block_N": 128, "pingpong": 2}, "pingpong=2"),
+        (0, 128, False, {"block_N": 128}, "at least one"),
     ],
 )
 def test_domain_is_refused_in_one_line(seq: int, head_dim: int, causal: bool, cfg: dict[str, Any], says: str) -> None:
@@ -130,7 +131,7 @@ def test_values_against_float64(causal: bool, kv_heads: int, seq_q: int, seq_kv:
 def _in_domain(seq_q: int, seq_kv: int, head_dim: int, causal: bool) -> bool:
     """What the sm90 rules promise: head_dim 128, 2048 queries up, aligned lengths, causal only square."""
     aligned = seq_q % 128 == 0 and seq_kv % 128 == 0
-    return head_dim == 128 and seq_q >= 2048 and aligned and (not causal or seq_q == seq_kv)
+    return head_dim == 128 and seq_q >= 2048 and seq_kv >= 128 and aligned and (not causal or seq_q == seq_kv)
 
 
 def test_the_rules_pin_fa3_exactly_inside_its_domain_and_ship_sdpa() -> None:
@@ -141,7 +142,7 @@ def test_the_rules_pin_fa3_exactly_inside_its_domain_and_ship_sdpa() -> None:
 
     picked = 0
     for seq_q in (1024, 2000, 2048, 4096, 4224):
-        for seq_kv in (1000, 1024, 2048, 4096, 4224):
+        for seq_kv in (0, 64, 1000, 1024, 2048, 4096, 4224):  # 0: no key block (it would hang)
             for head_dim in (64, 128):
                 for mask in ("none", "causal"):
                     f = facts(1, 32, 8, seq_q, seq_kv, head_dim, mask, "bfloat16")

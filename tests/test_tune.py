@@ -23,7 +23,7 @@ def _case(pattern: str) -> cases.Case:
 
 
 @pytest.mark.parametrize(
-    ("pattern", "n"), [("gemm/llama8b-o-t4096/float16/nt", 16), ("attention/llama8b-s4096/bfloat16/causal", 12)]
+    ("pattern", "n"), [("gemm/llama8b-o-t4096/float16/nt", 16), ("attention/q4096-kv1000/bfloat16/causal", 12)]
 )
 def test_space_is_the_tune_table_over_the_pinned_config(pattern: str, n: int) -> None:
     c = _case(pattern)
@@ -89,7 +89,7 @@ def test_a_candidate_that_cannot_launch_fails_its_check_and_the_caller_goes_on()
     ("pattern", "twin"),
     [
         ("gemm/square-8192/float16/nt", "gemm/square-8192/bfloat16/nt"),
-        ("attention/llama8b-s8192/float16/causal", "attention/llama8b-s8192/bfloat16/causal"),
+        ("attention/q4096-kv1000/float16/causal", "attention/q4096-kv1000/bfloat16/causal"),  # the auto schedule
         ("decode/llama8b-b8-c32k/float16/bottom-right", "decode/llama8b-b8-c32k/bfloat16/bottom-right"),
     ],
 )

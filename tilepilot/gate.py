@@ -416,7 +416,9 @@ def _unexplained(unpinned: list[str], dev: matrix.Device) -> list[str]:
     out = []
     for u in unpinned:
         key, _, rest = u.partition(" ")
-        have = rest.split(" ", 1)[0].split("+")[0]
+        have = rest.split(" ", 1)[0]
+        if key == "torch":  # the pins name torch without its build (+cu130); TileLang's version whole
+            have = have.split("+")[0]
         if not (key in ("tilelang", "torch") and want.get(key) == have):
             out.append(u)
     return out

@@ -85,6 +85,8 @@ def check(seq_q: int, seq_kv: int, head_dim: int, causal: bool, cfg: dict[str, A
         raise ValueError(f"fa3: head_dim={head_dim} is not 64 or 128")
     if seq_q % (2 * ROWS) or seq_kv % bn:
         raise ValueError(f"fa3: lengths {seq_q}x{seq_kv} are not multiples of {2 * ROWS} and block_N={bn}")
+    if seq_q < 2 * ROWS or seq_kv < bn:  # no key block: the consumers would wait for a load never made
+        raise ValueError(f"fa3: lengths {seq_q}x{seq_kv}: at least one {2 * ROWS}-row tile and one block_N={bn} block")
     if causal and seq_q != seq_kv:
         raise ValueError(f"fa3: causal needs equal lengths, not {seq_q}x{seq_kv}")
 
