@@ -98,11 +98,11 @@ def _reader(benchmark: str) -> tuple[Reader, str]:
 
 
 @functools.cache
-def _runs(commit: str, op: str) -> list[tuple[dict[str, Any], dict[str, Any], Any]]:
+def _runs(commit: str, op: str, machine: str = MACHINE) -> list[tuple[dict[str, Any], dict[str, Any], Any]]:
     """Each run's record of one operator (or the model) at one commit: its cases, compile times and
     overhead entry."""
     out = []
-    for run in sorted((RESULTS / "records" / MACHINE / commit).iterdir()):
+    for run in sorted((RESULTS / "records" / machine / commit).iterdir()):
         f = run / ("model.json" if op == "model" else f"measure-{op}.json")
         if f.exists():
             data = json.loads(f.read_text(encoding="utf-8"))
@@ -110,13 +110,13 @@ def _runs(commit: str, op: str) -> list[tuple[dict[str, Any], dict[str, Any], An
     return out
 
 
-def record_values(commit: str, benchmark: str, case: str) -> list[float]:
+def record_values(commit: str, benchmark: str, case: str, machine: str = MACHINE) -> list[float]:
     """The benchmark's value of one case at one commit as the run records hold it, one per run (a
     merge keeps both runs of a commit). The overhead suite's parameter is an operator: its value is
     the operator record's "overhead" entry."""
     read, _ = _reader(benchmark)
     values = []
-    for cases, compile_times, overhead in _runs(commit, case.split("/")[0]):
+    for cases, compile_times, overhead in _runs(commit, case.split("/")[0], machine):
         if benchmark.startswith("bench_overhead."):
             value = read(overhead, {}) if isinstance(overhead, dict) and "skipped" not in overhead else None
             if value is not None:
@@ -155,16 +155,20 @@ def regressions(html: Path) -> list[dict[str, Any]]:
     """asv's regressions.json as dicts: benchmark, case, and each jump's commits and levels."""
     index = json.loads((html / "index.json").read_text(encoding="utf-8"))
     out = []
-    for name, _graph, _params, _idx, _last, _best, jumps in json.loads((html / "regressions.json").read_text())[
+    for name, graph, _params, _idx, _last, _best, jumps in json.loads((html / "regressions.json").read_text())[
         "regressions"
     ]:
         m = re.fullmatch(r"(.+?)\('(.+)'\)", name)
         assert m, name
+        # Each machine has its own graphs (the H200, the H100, an A/B side): the jump is of its records.
+        where = re.search(r"machine-([^/]+)", graph)
+        assert where, graph
         for rev_a, rev_b, before, after in jumps:
             out.append(
                 {
                     "benchmark": m.group(1),
                     "case": m.group(2),
+                    "machine": where.group(1),
                     "before": before,
                     "after": after,
                     "a": index["revision_to_hash"][str(rev_a)] if rev_a is not None else None,
@@ -236,11 +240,11 @@ def test_every_benchmark_is_lower_is_better_and_named_for_it() -> None:
     assert checked > 1000
 
 
-def asv_value(commit: str, benchmark: str, case: str) -> float:
+def asv_value(commit: str, benchmark: str, case: str, machine: str = MACHINE) -> float:
     from asv.results import Results
 
-    (f,) = (RESULTS / "asv" / MACHINE).glob(f"{commit[:8]}-*.json")
-    res = Results.load(str(f), machine_name=MACHINE)
+    (f,) = (RESULTS / "asv" / machine).glob(f"{commit[:8]}-*.json")
+    res = Results.load(str(f), machine_name=machine)
     return float(res._results[benchmark][res.get_result_params(benchmark)[0].index(repr(case))])
 
 
@@ -257,9 +261,9 @@ def test_the_regressions_page_lists_no_improvement(published: Path, tmp_path: Pa
         natural = []
         for commit in (r["a"], r["b"]):
             # Where a merge kept two runs, asv holds one run's value: that run's record.
-            value = asv_value(commit, bench, case)
+            value = asv_value(commit, bench, case, r["machine"])
             target = CONVERTED[bench.rpartition(".")[2]] / value if way == HIGHER else value
-            natural.append(min(record_values(commit, bench, case), key=lambda v: abs(v - target)))
+            natural.append(min(record_values(commit, bench, case, r["machine"]), key=lambda v: abs(v - target)))
         a, b = natural
         assert (b > a) if way == LOWER else (b < a), f"{r} is an improvement: records {a} -> {b}"
 
