@@ -12,7 +12,7 @@ import contextlib
 import contextvars
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,10 +53,16 @@ def clear_caches() -> None:
         _clear_derived()
 
 
+# Caches built on the choices elsewhere (kernels._dispatch's replayed decisions), dropped with them.
+dependents: list[Callable[[], None]] = []
+
+
 def _clear_derived() -> None:
     _by_capability.clear()
     _targets.clear()
     _choices.clear()
+    for clear in dependents:
+        clear()
 
 
 def _read(path: str) -> dict[str, Any] | None:

@@ -5,7 +5,8 @@
 resolve: what a CUDA call resolves before it launches or falls back, without the CUDA queries: the
 config device of compute capability 9.0, then the choice for the call's facts (GEMM 16x4096x4096 nt,
 decode batch 1 over a 4k cache). cpu-call: kernels.gemm on small CPU tensors (which fall back at
-once: no device lookup) minus torch.matmul on them. Medians of repeated timeit batches, in µs.
+once: no device lookup), first as a repeated call replays its kept decision, then decided in full
+(the replays dropped before each call), beside torch.matmul on them. Medians of repeated timeit batches, in µs.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 import kernels
-from kernels import _config
+from kernels import _config, _dispatch
 
 # kernels.gemm and kernels.decode_attention shadow their packages: the packages by name.
 gemm_mod, decode_mod = kernels.operator_module("gemm"), kernels.operator_module("decode")
@@ -45,6 +46,10 @@ def main() -> None:
     def resolve_decode() -> None:
         resolve(_config.device_for_capability(9, 0) or "", "decode", df)
 
+    def decided_in_full(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        _dispatch._replays.clear()
+        return kernels.gemm(a, b, trans_b=True)
+
     a, b = torch.randn(16, 64, dtype=torch.float16), torch.randn(32, 64, dtype=torch.float16)
     kernels.gemm(a, b, trans_b=True)  # the fallback's first record logs once: not timed
     rows = {
@@ -52,7 +57,8 @@ def main() -> None:
         "resolve decode (capability -> device -> choice)": per_call_us(resolve_decode),
         "device_for_capability(9, 0)": per_call_us(lambda: _config.device_for_capability(9, 0)),
         "choose(sm90, gemm)": per_call_us(lambda: _config.choose("sm90", "gemm", gf)),
-        "kernels.gemm, CPU 16x64x32": per_call_us(lambda: kernels.gemm(a, b, trans_b=True)),
+        "kernels.gemm, CPU 16x64x32 (replayed)": per_call_us(lambda: kernels.gemm(a, b, trans_b=True)),
+        "kernels.gemm, CPU 16x64x32 (decided in full)": per_call_us(lambda: decided_in_full(a, b)),
         "torch.matmul, CPU 16x64x32": per_call_us(lambda: torch.matmul(a, b.t())),
     }
     for name, us in rows.items():

@@ -23,6 +23,7 @@ from tilepilot import cases, matrix, registry, tune
 @pytest.fixture(autouse=True)
 def _fresh_caches() -> Iterator[None]:
     kernels.clear_caches()
+    kernels.clear_fallback_reasons()
     yield
     kernels.clear_caches()
 
@@ -205,3 +206,114 @@ def test_where_out_cannot_be_written_directly_the_fallback_copies_as_before() ->
     got, ops = _gemm_with_out(a, b, wide, True)
     assert got is wide and torch.equal(wide, want) and ops.seen["aten.copy_"] == 1
     assert any("`out` is not a contiguous" in r for r in kernels.fallback_reasons("gemm"))
+
+
+# -- the replayed decision (kernels._dispatch.Replay) --------------------------------------------
+
+
+def _cpu_gemm_pair() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(16, 64, dtype=torch.float16), torch.randn(32, 64, dtype=torch.float16)
+
+
+def test_a_repeated_fallback_is_replayed_and_still_counted() -> None:
+    a, b = _cpu_gemm_pair()
+    first = kernels.gemm(a, b, trans_b=True)
+    assert len(_dispatch._replays) == 1
+    with _Ops() as ops:
+        again = kernels.gemm(a, b, trans_b=True)
+    assert torch.equal(first, torch.matmul(a, b.t())) and torch.equal(again, first)
+    assert ops.seen["aten.mm"] + ops.seen["aten.matmul"] >= 1
+    assert len(_dispatch._replays) == 1  # the second call found the first's decision
+    assert kernels.fallback_reasons("gemm") == {"unsupported device: cpu tensors": 2}
+    # Each operator replays its own decision, with its own framework op (non-trivial values).
+    q, k = torch.randn(1, 4, 8, 64), torch.randn(1, 2, 8, 64)
+    for _ in range(2):
+        got = kernels.attention(q, k, k, causal=True)
+        assert torch.allclose(
+            got, torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True)
+        )
+    x, w = torch.randn(4, 32), torch.randn(48, 32)
+    for _ in range(2):
+        assert torch.allclose(kernels.swiglu(x, w), kernels.operator_module("swiglu").reference(x, w))
+    lens = torch.tensor([5], dtype=torch.int32)
+    dq = torch.randn(1, 4, 1, 64)
+    want = kernels.operator_module("decode").reference(dq, k, k, lens)
+    for _ in range(2):
+        assert torch.allclose(kernels.decode_attention(dq, k, k, lens), want)
+    assert len(_dispatch._replays) == 4
+    for op in ("attention", "swiglu", "decode"):
+        assert sum(kernels.fallback_reasons(op).values()) == 2, op
+
+
+def test_the_contexts_and_the_call_identity_are_part_of_the_replay_key() -> None:
+    a, b = _cpu_gemm_pair()
+    kernels.gemm(a, b, trans_b=True)
+    with kernels.use_backend("framework"):
+        kernels.gemm(a, b, trans_b=True)
+    with _dispatch.failing_compiles("forced"):
+        kernels.gemm(a, b, trans_b=True)
+    kernels.gemm(a.t().contiguous().t(), b, trans_b=True)  # same shape, not contiguous
+    kernels.gemm(a, b.t().contiguous(), trans_b=False)
+    kernels.gemm(a.float(), b.float(), trans_b=True)
+    assert len(_dispatch._replays) == 6
+    reasons = kernels.fallback_reasons("gemm")
+    assert reasons["unsupported shape: non-contiguous input"] == 1
+    assert reasons["unsupported dtype: torch.float32 x torch.float32"] == 1
+
+
+def test_out_calls_are_not_replayed_and_clearing_drops_the_replays() -> None:
+    a, b = _cpu_gemm_pair()
+    out = torch.full((16, 32), float("nan"), dtype=torch.float16)
+    kernels.gemm(a, b, trans_b=True, out=out)
+    assert not _dispatch._replays and torch.equal(out, torch.matmul(a, b.t()))
+    kernels.gemm(a, b, trans_b=True)
+    assert _dispatch._replays
+    _config.clear_caches()  # what a config file re-read does too
+    assert not _dispatch._replays
+
+
+class _FakeKernel:
+    """What a built TileLang GEMM does, on the CPU: C = A·Bᵀ into the given C (there is no GPU here
+    to build for; the real kernels' values are tests/test_*_kernel.py's, on the GPU)."""
+
+    builds = 0
+
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+        _FakeKernel.builds += 1
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
+        if self.fail:
+            raise RuntimeError("launch failed")
+        torch.matmul(a, b.t(), out=c)
+
+
+@pytest.fixture
+def as_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_dispatch, "tensor_device", lambda *t: ("sm90", ""))
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_kernel_decision_is_replayed_without_building_and_a_failed_launch_is_not_kept(
+    as_sm90: None, monkeypatch: pytest.MonkeyPatch, fail: bool
+) -> None:
+    import weakref
+
+    gemm_mod = kernels.operator_module("gemm")
+    monkeypatch.setattr(gemm_mod, "build", lambda *args, **kw: _FakeKernel(fail))
+    _FakeKernel.builds = 0
+    a, b = _cpu_gemm_pair()
+    want = torch.matmul(a, b.t())
+    with kernels.use_backend("tilelang"):
+        for _ in range(3):
+            assert torch.equal(kernels.gemm(a, b, trans_b=True), want)
+    if fail:  # every call tried the kernel (as the full path does), none kept it, each fell back
+        assert not _dispatch._replays and _FakeKernel.builds == 3
+        assert kernels.fallback_reasons("gemm") == {"kernel failed: RuntimeError: launch failed": 3}
+    else:  # built twice (the first launch, the kept fire), then only launched
+        assert len(_dispatch._replays) == 1 and _FakeKernel.builds == 2
+        assert kernels.fallback_reasons("gemm") == {}
+    # The kept decision holds none of the call's tensors.
+    gone = weakref.ref(a)
+    del a
+    assert gone() is None

@@ -59,6 +59,12 @@ def test_compiles_with_the_wgmmas_in_flight(
     # one its turn (bar.arrive); none of it without the knob.
     turns = ("__sync_thread_partial(1, 256)", "__sync_thread_partial(2, 256)", "__named_barrier_arrive(1, 256)")
     assert all((t in src) == bool(pingpong) for t in (*turns, "__named_barrier_arrive(2, 256)"))
+    # Causal runs longest-first: the query tile is counted down the grid's y (the first row 1920 of
+    # 2048 at y = 0, the tile with every key block); not causal keeps tiles in x, in order.
+    q_load = re.search(r"tma_load\(Q_desc, q_full\[0\], [^;]*", src)
+    assert q_load is not None, "the Q tile's TMA load was not found"
+    rows = "(1920 - (((int)blockIdx.y) * 128))" if causal else "(((int)blockIdx.x) * 128)"
+    assert f", {rows}, " in q_load.group(0), q_load.group(0)
     cu = tmp_path / "fa3.cu"
     cu.write_text(src)
     cmd = ["nvcc", "-std=c++20", f"-I{TILELANG_TEMPLATE_PATH}", f"-I{CUTLASS_INCLUDE_DIR}", "--use_fast_math"]
@@ -92,6 +98,8 @@ def test_domain_is_refused_in_one_line(seq: int, head_dim: int, causal: bool, cf
     [
         (False, 8, 2048, 2048, {"block_N": 128}),
         (True, 8, 2048, 2048, {"block_N": 128}),
+        (False, 8, 2048, 2048, {"block_N": 128, "head_dim": 64}),  # head_dim 64: compiled, now checked too
+        (True, 8, 2048, 2048, {"block_N": 128, "head_dim": 64, "pingpong": 1}),
         (True, 2, 1024, 1024, {"block_N": 64, "p_sets": 2}),  # GQA; 2(bx+1) blocks a tile: the odd tail step
         (False, 8, 384, 384, {"block_N": 64, "p_sets": 2}),  # 6 blocks: the tail step
         (False, 8, 256, 192, {"block_N": 64, "p_sets": 2}),  # 3 blocks: no tail, P(last) in the first set
@@ -105,7 +113,8 @@ def test_domain_is_refused_in_one_line(seq: int, head_dim: int, causal: bool, cf
 def test_values_against_float64(causal: bool, kv_heads: int, seq_q: int, seq_kv: int, cfg: dict[str, Any]) -> None:
     import tilelang
 
-    b, h, d = 2, 8, 128
+    cfg = dict(cfg)
+    b, h, d = 2, 8, int(cfg.pop("head_dim", 128))
     g = torch.Generator(device="cuda").manual_seed(seq_q + seq_kv)
     q = torch.randn(b, h, seq_q, d, generator=g, device="cuda").half()
     k, v = (torch.randn(b, kv_heads, seq_kv, d, generator=g, device="cuda").half() for _ in range(2))

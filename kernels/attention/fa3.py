@@ -24,8 +24,10 @@ pipeline, which releases a K/V stage at the issue. Here nothing is automatic:
   turn before it issues Q·Kᵀ(j), and gives the turn away once P·V(j-1) is issued, so that one
   consumer's softmax runs under the other's wgmmas (FA3's inter-warpgroup overlap).
 
-Not yet: causal blocks split into unmasked and diagonal loops, a persistent grid. Each is measured
-alone once this one is correct.
+Causal grids run longest-first: query tiles in the grid's y, reversed (the diagonal's last tile,
+which reads every key block, launches first), heads in x, so that the last wave holds the tiles of
+one key block and not of all of them. Not yet: causal blocks split into unmasked and diagonal
+loops, a persistent grid. Each is measured alone.
 
 Knobs: block_N (64 or 128 keys a block) and p_sets: 1 keeps P(j) in the registers that P·V(j-1)
 reads, so its cast waits for that wgmma (ptxas then waits before the softmax too: compiled here, the
@@ -217,6 +219,9 @@ def program(
             c.o[i, e] /= c.denom[i]
         T.copy(c.o, O[bz, by, row0 : row0 + ROWS, :])
 
+    n_q = seq_q // bm
+    grid = (heads, n_q, batch) if causal else (n_q, heads, batch)
+
     @T.prim_func
     def main(
         Q: T.Tensor((batch, heads, seq_q, d), dtype),  # type: ignore[valid-type]
@@ -224,7 +229,11 @@ def program(
         V: T.Tensor((batch, kv_heads, seq_kv, d), dtype),  # type: ignore[valid-type]
         O: T.Tensor((batch, heads, seq_q, d), dtype),  # type: ignore[valid-type]
     ) -> None:
-        with T.Kernel(seq_q // bm, heads, batch, threads=384) as (bx, by, bz):
+        with T.Kernel(*grid, threads=384) as (g0, g1, bz):
+            # Causal: the heaviest query tiles (the most key blocks) first, every head's before any
+            # lighter one, so that the grid's last wave holds the shortest tiles, not the longest.
+            bx = n_q - 1 - g1 if causal else g0
+            by = g0 if causal else g1
             q0 = T.alloc_shared((ROWS, d), dtype)
             q1 = T.alloc_shared((ROWS, d), dtype)
             k_s = T.alloc_shared((2, bn, d), dtype)  # the K and V rings: stage j % 2

@@ -361,6 +361,22 @@ def reference_exact(
     return out
 
 
+def _launcher(f: dict[str, Any]) -> Callable[[dict[str, Any], str], Callable[..., torch.Tensor]]:
+    """The replayed kernel call of one case: built once, then the workspaces and a launch a call."""
+
+    def make(cfg: dict[str, Any], dev: str) -> Callable[..., torch.Tensor]:
+        kernel = build(**f, device=dev, cfg=cfg)
+
+        def fire(
+            q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | None
+        ) -> torch.Tensor:
+            return launch(kernel, q, k_cache, v_cache, cache_seqlens, torch.empty_like(q))
+
+        return fire
+
+    return make
+
+
 def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -372,6 +388,28 @@ def decode_attention(
     """softmax(q·kᵀ/√d)·v over each sequence's valid cache, causal bottom-right (see the module;
     cache_seqlens None: every sequence fills the cache). Where the TileLang kernel does not apply,
     SDPA's fastest correct call: no mask for one query per full sequence, else the lengths' mask."""
+    # A call seen before replays its decision (kernels._dispatch.Replay; as in kernels.gemm): the
+    # lengths' values do not decide, their presence, dtype, shape and device do.
+    key: tuple[Any, ...] | None = None
+    if out is None:
+        lens_id = None if cache_seqlens is None else (cache_seqlens.dtype, cache_seqlens.shape, cache_seqlens.device)
+        key = ("decode", q.shape, k_cache.shape, v_cache.shape, q.dtype, k_cache.dtype, v_cache.dtype, lens_id)
+        key += (q.device, k_cache.device, v_cache.device)
+        key += (q.is_contiguous(), k_cache.is_contiguous(), v_cache.is_contiguous())
+        if (fire := _dispatch.replayed(key)) is not None:
+            return fire(q, k_cache, v_cache, cache_seqlens)
+    return _decode(q, k_cache, v_cache, cache_seqlens, out, key)
+
+
+def _decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor | None,
+    out: torch.Tensor | None,
+    key: tuple[Any, ...] | None,
+) -> torch.Tensor:
+    """decode_attention()'s decision, made in full (apart: see kernels.gemm._gemm)."""
     # What the kernel supports comes first, where it can run second (as in kernels.attention).
     # Shapes read once: each .shape costs ~0.25 µs, and this runs on every call (see kernels.gemm).
     dtype = DTYPES.get(q.dtype)
@@ -414,4 +452,5 @@ def decode_attention(
     def framework() -> torch.Tensor:
         return reference(q, k_cache, v_cache, cache_seqlens)
 
-    return _dispatch.run_or_fallback("decode", device, reason, f, run, framework, out)
+    replay = None if key is None else _dispatch.Replay(key, reference, _launcher(f))
+    return _dispatch.run_or_fallback("decode", device, reason, f, run, framework, out, replay)

@@ -134,8 +134,44 @@ def reference(a: torch.Tensor, b: torch.Tensor, trans_b: bool = False) -> torch.
     return torch.matmul(a, b.t() if trans_b else b)
 
 
+def _matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(a, b.t())
+
+
+def _launcher(m: int, n: int, k: int, layout: str, dtype: str) -> Callable[[dict[str, Any], str], _dispatch.Fire]:
+    """The replayed kernel call of one shape: built once, then an allocation and a launch a call."""
+
+    def make(cfg: dict[str, Any], dev: str) -> _dispatch.Fire:
+        kernel = build(m, n, k, layout, dtype, dev, cfg)
+
+        def fire(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            c = torch.empty((m, n), dtype=a.dtype, device=a.device)
+            kernel(a, b, c)
+            return c
+
+        return fire
+
+    return make
+
+
 def gemm(a: torch.Tensor, b: torch.Tensor, *, trans_b: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """``a @ b.T`` if trans_b else ``a @ b``; torch.matmul where the TileLang kernel does not apply."""
+    # A call seen before replays its decision (kernels._dispatch.Replay): this identity is all of
+    # what the decision below reads from the call.
+    key: tuple[Any, ...] | None = None
+    if out is None:
+        key = ("gemm", trans_b, a.shape, b.shape, a.dtype, b.dtype, a.device, b.device)
+        key += (a.is_contiguous(), b.is_contiguous())
+        if (fire := _dispatch.replayed(key)) is not None:
+            return fire(a, b)
+    return _gemm(a, b, trans_b, out, key)
+
+
+def _gemm(
+    a: torch.Tensor, b: torch.Tensor, trans_b: bool, out: torch.Tensor | None, key: tuple[Any, ...] | None
+) -> torch.Tensor:
+    """gemm()'s decision, made in full (apart, so that the replayed call sets up none of the
+    closures' cells that this function needs)."""
     # What the kernel supports comes first, where it can run second: the reason names the most
     # fundamental obstacle, and every input reason can be exercised on a machine without a GPU.
     # Every line here runs on every call: no tensor method or view that the decision does not need
@@ -177,4 +213,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, trans_b: bool = False, out: torch.
         return reference(a, b, trans_b)
 
     f = facts(m, n, k, layout, dtype) if not reason else {}
-    return _dispatch.run_or_fallback("gemm", device, reason, f, launch, framework, out)
+    replay = None
+    if key is not None:
+        replay = _dispatch.Replay(key, _matmul_nt if trans_b else torch.matmul, _launcher(m, n, k, layout, dtype))
+    return _dispatch.run_or_fallback("gemm", device, reason, f, launch, framework, out, replay)

@@ -92,9 +92,41 @@ def reference(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | None
     return torch.mul(F.silu(gate), up, out=out)
 
 
+def _launcher(
+    m: int, hidden: int, inter: int, dtype: str
+) -> Callable[[dict[str, Any], str], Callable[..., torch.Tensor]]:
+    """The replayed kernel call of one shape: built once, then an allocation and a launch a call."""
+
+    def make(cfg: dict[str, Any], dev: str) -> Callable[..., torch.Tensor]:
+        kernel = build(m, hidden, inter, dtype, dev, cfg)
+
+        def fire(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+            o = torch.empty((m, inter), dtype=x.dtype, device=x.device)
+            kernel(x, w_gate_up, o)
+            return o
+
+        return fire
+
+    return make
+
+
 def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """silu(x @ W_gate.T) * (x @ W_up.T) for W = w_gate_up = [W_gate; W_up], (2·inter, hidden);
     the framework op where the TileLang kernel does not apply."""
+    # A call seen before replays its decision (kernels._dispatch.Replay; as in kernels.gemm).
+    key: tuple[Any, ...] | None = None
+    if out is None:
+        key = ("swiglu", x.shape, w_gate_up.shape, x.dtype, w_gate_up.dtype, x.device, w_gate_up.device)
+        key += (x.is_contiguous(), w_gate_up.is_contiguous())
+        if (fire := _dispatch.replayed(key)) is not None:
+            return fire(x, w_gate_up)
+    return _swiglu(x, w_gate_up, out, key)
+
+
+def _swiglu(
+    x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | None, key: tuple[Any, ...] | None
+) -> torch.Tensor:
+    """swiglu()'s decision, made in full (apart: see kernels.gemm._gemm)."""
     # What the kernel supports first, where it can run second (the reason names the most
     # fundamental obstacle); every line runs on every call, so nothing the decision does not need.
     dtype = DTYPES.get(x.dtype)
@@ -137,4 +169,5 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, *, out: torch.Tensor | None
         return reference(x, w_gate_up)
 
     f = facts(m, hidden, inter, dtype) if not reason else {}
-    return _dispatch.run_or_fallback("swiglu", device, reason, f, launch, framework, out)
+    replay = None if key is None else _dispatch.Replay(key, reference, _launcher(m, hidden, inter, dtype))
+    return _dispatch.run_or_fallback("swiglu", device, reason, f, launch, framework, out, replay)
