@@ -104,7 +104,23 @@ class Replay(NamedTuple):
 
 _replays: dict[tuple[Any, ...], Fire] = {}
 _MAX_REPLAYS = 4096  # identities kept; past it the memo starts over (as _config's choices)
-_config.dependents.append(_replays.clear)  # a config re-read or cleared drops what it decided
+_replay_lock = threading.Lock()
+# Bumped whenever the replays are dropped: a decision made across a drop (a config rewritten while
+# its first call compiled) is not kept, since it may rest on what was dropped.
+_generation = 0
+
+
+def _forget() -> None:
+    global _generation
+    with _replay_lock:
+        _generation += 1
+        _replays.clear()
+
+
+# A config re-read or cleared drops what it decided; cleared fallback counts drop the fires that
+# hold them (so that each reason is logged again once, and the counts are freed).
+_config.dependents.append(_forget)
+_fallback.dependents.append(_forget)
 
 
 def replayed(key: tuple[Any, ...]) -> Fire | None:
@@ -112,9 +128,11 @@ def replayed(key: tuple[Any, ...]) -> Fire | None:
     return _replays.get((key, _config._forced.get(), _failing.get()))
 
 
-def _remember(key: tuple[Any, ...], fire: Fire) -> None:
+def _remember(key: tuple[Any, ...], fire: Fire, generation: int) -> None:
     full = (key, _config._forced.get(), _failing.get())
-    with _lock:
+    with _replay_lock:
+        if generation != _generation:
+            return
         if len(_replays) >= _MAX_REPLAYS:
             _replays.clear()
         _replays[full] = fire
@@ -212,6 +230,7 @@ def run_or_fallback(
     """Launch the TileLang kernel when everything allows it, else the framework op, recording why.
     `framework` may write `out` itself and return it (no copy then); anything else is copied into it.
     With `replay`, the decision is kept for the call's identity (see Replay)."""
+    generation = _generation
     if device is not None and not reason:
         if err := _tilelang_import_error():
             reason = f"tilelang missing: {err}"
@@ -219,6 +238,7 @@ def run_or_fallback(
             choice = _config.resolve(device, op, facts)  # memoized: no file or rule walk per call
             if choice is None:
                 reason = f"unsupported device: no {op} config for {device}"
+                replay = None  # _config does not memoize it either: a config section may appear
             elif choice.backend == "framework":
                 reason = _config_reason(choice.reason)
             else:
@@ -231,10 +251,11 @@ def run_or_fallback(
                     replay = None
                 else:
                     if replay is not None:  # built and launched once: the build is memoized
-                        _remember(replay.key, _kernel_fire(op, replay.kernel(choice.config, device), replay.framework))
+                        fire = _kernel_fire(op, replay.kernel(choice.config, device), replay.framework)
+                        _remember(replay.key, fire, generation)
                     return result
     if replay is not None:
-        _remember(replay.key, _framework_fire(op, reason, replay.framework))
+        _remember(replay.key, _framework_fire(op, reason, replay.framework), generation)
     _fallback.record(op, reason)
     result = framework()
     if out is not None:

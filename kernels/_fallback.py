@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 log = logging.getLogger("kernels")
 _lock = threading.Lock()
-# (op, reason) -> its count, in a one-item list: kept for the process (cleared to 0, never removed),
-# so that a replayed fallback (kernels._dispatch) holds its own count and increments it itself.
+# (op, reason) -> its count, in a one-item list, so that a replayed fallback (kernels._dispatch)
+# holds its own count and increments it itself.
 _cells: dict[tuple[str, str], list[int]] = {}
+# What holds cells, told when they are cleared (kernels._dispatch drops its replayed fallbacks).
+dependents: list[Callable[[], None]] = []
 
 
 def record(op: str, reason: str) -> None:
@@ -29,7 +32,7 @@ def cell(op: str, reason: str) -> list[int]:
     fallback: a lock costs 0.2-0.3 µs a call, issue 20 allows 2 µs in all). It increments
     `cell[0] += 1` without the lock: with the GIL, CPython 3.11-3.13 does not switch threads between
     a list item's read and its write (no eval-breaker check there); a free-threaded build could
-    lose a count to a race, never make one."""
+    lose a count to a race, never make one. A call racing clear() may count into the cleared cell."""
     with _lock:
         return _cells.setdefault((op, reason), [0])
 
@@ -45,5 +48,6 @@ def reasons(op: str | None = None) -> dict[str, int]:
 
 def clear() -> None:
     with _lock:
-        for c in _cells.values():
-            c[0] = 0
+        _cells.clear()
+    for forget in dependents:
+        forget()

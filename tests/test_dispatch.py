@@ -5,6 +5,8 @@ where that is safe. CPU only: a CUDA device is stood in for by its capability qu
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 import random
 from collections import Counter
 from collections.abc import Iterator
@@ -317,3 +319,92 @@ def test_a_kernel_decision_is_replayed_without_building_and_a_failed_launch_is_n
     gone = weakref.ref(a)
     del a
     assert gone() is None
+
+
+# What a review found the replay did differently from the full path (each failed at e9f5176).
+
+
+def test_a_causal_flag_that_is_not_a_bool_is_never_replayed() -> None:
+    q = torch.randn(1, 2, 8, 64)
+    with pytest.raises(TypeError):  # SDPA refuses is_causal=1; 1 == True would share True's key
+        kernels.attention(q, q, q, causal=1)  # type: ignore[arg-type]
+    want = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert torch.allclose(kernels.attention(q, q, q, causal=True), want)
+    kernels.attention(q, q, q, causal=False)
+    with pytest.raises(TypeError):
+        kernels.attention(q, q, q, causal=0)  # type: ignore[arg-type]
+
+
+def _sm99_gemm(extra: str = "") -> str:
+    return _config_text(64, framework=False).split("[[gemm.rules]]")[0] + extra
+
+
+@pytest.fixture
+def fake_gemm_kernel(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A built GEMM that computes on the CPU (see _FakeKernel); its launches counted."""
+    launches: list[int] = []
+
+    def kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
+        launches.append(1)
+        torch.matmul(a, b.t(), out=c)
+
+    monkeypatch.setattr(_dispatch, "tensor_device", lambda *t: ("sm99", ""))
+    monkeypatch.setattr(kernels.operator_module("gemm"), "build", lambda *args, **kw: kernel)
+    return launches
+
+
+def _restamp(path: Path, text: str) -> None:
+    """Write and move the mtime a second on: a stamp distinct from the last read's, whatever the tick."""
+    path.write_text(text, encoding="utf-8")
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+
+
+def test_a_config_section_that_appears_reaches_the_next_call(config_dir: Path, fake_gemm_kernel: list[int]) -> None:
+    path = config_dir / "sm99.toml"
+    path.write_text(_sm99_gemm().split("[gemm.default]")[0], encoding="utf-8")  # no [gemm] yet
+    a, b = _cpu_gemm_pair()
+    kernels.gemm(a, b, trans_b=True)
+    assert kernels.fallback_reasons("gemm") == {"unsupported device: no gemm config for sm99": 1}
+    _restamp(path, _sm99_gemm())
+    assert torch.equal(kernels.gemm(a, b, trans_b=True), torch.matmul(a, b.t()))
+    assert fake_gemm_kernel == [1]
+
+
+def test_a_config_cleared_while_the_first_call_builds_is_not_kept(
+    config_dir: Path, fake_gemm_kernel: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = config_dir / "sm99.toml"
+    path.write_text(_sm99_gemm(), encoding="utf-8")
+    gemm_mod = kernels.operator_module("gemm")
+    built = gemm_mod.build
+
+    def build(*args: Any, **kw: Any) -> Any:  # a tuner rewrites the configs during the first compile
+        _restamp(path, _sm99_gemm('[[gemm.rules]]\nbackend = "framework"\nreason = "edited"\n'))
+        kernels.clear_caches()
+        monkeypatch.setattr(gemm_mod, "build", built)
+        return built()
+
+    monkeypatch.setattr(gemm_mod, "build", build)
+    a, b = _cpu_gemm_pair()
+    kernels.gemm(a, b, trans_b=True)  # decided on the old config, launched: not kept
+    kernels.gemm(a, b, trans_b=True)
+    assert fake_gemm_kernel == [1] and kernels.fallback_reasons("gemm") == {"config: edited": 1}
+
+
+def test_cleared_fallback_reasons_are_logged_again_and_freed(caplog: pytest.LogCaptureFixture) -> None:
+    from kernels import _fallback
+
+    a, b = torch.randn(8, 8, dtype=torch.float16), torch.randn(8, 8, dtype=torch.float16)
+    with caplog.at_level(logging.WARNING, logger="kernels"):
+        kernels.gemm(a, b)
+        kernels.gemm(a, b)  # replayed: counted, not logged
+        kernels.clear_fallback_reasons()
+        kernels.gemm(a, b)
+    assert sum("using the framework op" in r.getMessage() for r in caplog.records) == 2
+    assert kernels.fallback_reasons("gemm") == {"unsupported device: cpu tensors": 1}
+    for sq in range(2, 40):  # one reason per shape ("seq_q N > cache length 1"): freed by a clear
+        q, kv = torch.randn(1, 1, sq, 64, dtype=torch.float16), torch.randn(1, 1, 1, 64, dtype=torch.float16)
+        kernels.decode_attention(q, kv, kv, None)
+    kernels.clear_fallback_reasons()
+    assert not _fallback._cells and not _dispatch._replays

@@ -230,7 +230,7 @@ def attention(
     """softmax(q·kᵀ/√d)·v as SDPA computes it; SDPA itself where the TileLang kernel does not apply."""
     # A call seen before replays its decision (kernels._dispatch.Replay; as in kernels.gemm).
     key: tuple[Any, ...] | None = None
-    if attn_mask is None and out is None:
+    if attn_mask is None and out is None and (causal is True or causal is False):  # 1 == True, yet SDPA refuses 1
         key = ("attention", causal, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device)
         key += (v.device, q.is_contiguous(), k.is_contiguous(), v.is_contiguous())
         if (fire := _dispatch.replayed(key)) is not None:
