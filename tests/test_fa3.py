@@ -59,11 +59,11 @@ def test_compiles_with_the_wgmmas_in_flight(
     # one its turn (bar.arrive); none of it without the knob.
     turns = ("__sync_thread_partial(1, 256)", "__sync_thread_partial(2, 256)", "__named_barrier_arrive(1, 256)")
     assert all((t in src) == bool(pingpong) for t in (*turns, "__named_barrier_arrive(2, 256)"))
-    # Causal runs longest-first: the query tile is counted down the grid's y (the first row 1920 of
-    # 2048 at y = 0, the tile with every key block); not causal keeps tiles in x, in order.
+    # Causal runs each head's tiles longest-first: the query tile counted down the grid's x (the first
+    # row 1920 of 2048 at x = 0, the tile with every key block); not causal keeps them in order.
     q_load = re.search(r"tma_load\(Q_desc, q_full\[0\], [^;]*", src)
     assert q_load is not None, "the Q tile's TMA load was not found"
-    rows = "(1920 - (((int)blockIdx.y) * 128))" if causal else "(((int)blockIdx.x) * 128)"
+    rows = "(1920 - (((int)blockIdx.x) * 128))" if causal else "(((int)blockIdx.x) * 128)"
     assert f", {rows}, " in q_load.group(0), q_load.group(0)
     cu = tmp_path / "fa3.cu"
     cu.write_text(src)

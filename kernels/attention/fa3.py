@@ -24,10 +24,13 @@ pipeline, which releases a K/V stage at the issue. Here nothing is automatic:
   turn before it issues Q·Kᵀ(j), and gives the turn away once P·V(j-1) is issued, so that one
   consumer's softmax runs under the other's wgmmas (FA3's inter-warpgroup overlap).
 
-Causal grids run longest-first: query tiles in the grid's y, reversed (the diagonal's last tile,
-which reads every key block, launches first), heads in x, so that the last wave holds the tiles of
-one key block and not of all of them. Not yet: causal blocks split into unmasked and diagonal
-loops, a persistent grid. Each is measured alone.
+Causal grids run each head's query tiles longest-first: the grid is (query tile, head, batch) as
+without the mask, the tile index reversed, so that the diagonal's last tile (every key block) of a
+head launches first and its first tile (one block) last, and the grid ends on the lightest tiles.
+Heads stay in the grid's y: the CTAs in flight share one head's K/V in L2 (994c43c put heads in x
+to run every head's heaviest tile first: +5.6% at S 4096 where 8 kv heads' K/V fit in L2, -1.3% at
+S 32768 and -6% on MHA batch 8, where they do not; docs/perf-notes.md). Not yet: causal blocks split
+into unmasked and diagonal loops, a persistent grid. Each is measured alone.
 
 Knobs: block_N (64 or 128 keys a block) and p_sets: 1 keeps P(j) in the registers that P·V(j-1)
 reads, so its cast waits for that wgmma (ptxas then waits before the softmax too: compiled here, the
@@ -220,7 +223,6 @@ def program(
         T.copy(c.o, O[bz, by, row0 : row0 + ROWS, :])
 
     n_q = seq_q // bm
-    grid = (heads, n_q, batch) if causal else (n_q, heads, batch)
 
     @T.prim_func
     def main(
@@ -229,11 +231,10 @@ def program(
         V: T.Tensor((batch, kv_heads, seq_kv, d), dtype),  # type: ignore[valid-type]
         O: T.Tensor((batch, heads, seq_q, d), dtype),  # type: ignore[valid-type]
     ) -> None:
-        with T.Kernel(*grid, threads=384) as (g0, g1, bz):
-            # Causal: the heaviest query tiles (the most key blocks) first, every head's before any
-            # lighter one, so that the grid's last wave holds the shortest tiles, not the longest.
-            bx = n_q - 1 - g1 if causal else g0
-            by = g0 if causal else g1
+        with T.Kernel(n_q, heads, batch, threads=384) as (g0, by, bz):
+            # Causal: a head's heaviest query tile (the most key blocks) first, its lightest last, so
+            # that the grid's last wave holds short tiles, not the longest.
+            bx = n_q - 1 - g0 if causal else g0
             q0 = T.alloc_shared((ROWS, d), dtype)
             q1 = T.alloc_shared((ROWS, d), dtype)
             k_s = T.alloc_shared((2, bn, d), dtype)  # the K and V rings: stage j % 2
