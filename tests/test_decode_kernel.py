@@ -235,8 +235,16 @@ def test_kernel_matches_exact(
     exact = decode.reference_exact(q, k, v, cl)
     err = (out.double() - exact).norm() / exact.norm()
     assert err < (3e-3 if dtype == torch.float16 else 2e-2), err
+    kernels.clear_fallback_reasons()
     with kernels.use_backend("tilelang"):  # the public function runs it, whatever the rules ship
         assert torch.equal(kernels.decode_attention(q, k, v, cl), out)
+        # The same identity again: the kept launch (kernels._dispatch.Replay), on this call's tensors.
+        q2 = torch.randn_like(q)
+        again = kernels.decode_attention(q2, k, v, cl)
+    want = torch.full_like(q, float("nan"))
+    decode.launch(kernel, q2, k, v, cl, want)
+    assert torch.equal(again, want) and not torch.equal(again, out)
+    assert kernels.fallback_reasons("decode") == {}  # both calls ran the kernel
     if lengths == "uniform":  # None: every sequence fills the cache, the same kernel on full lengths
         full = torch.full_like(q, float("nan"))
         decode.launch(kernel, q, k, v, None, full)
