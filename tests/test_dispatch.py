@@ -279,12 +279,14 @@ class _FakeKernel:
     to build for; the real kernels' values are tests/test_*_kernel.py's, on the GPU)."""
 
     builds = 0
+    launches = 0
 
-    def __init__(self, fail: bool) -> None:
+    def __init__(self, fail: bool = False) -> None:
         self.fail = fail
         _FakeKernel.builds += 1
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
+        _FakeKernel.launches += 1
         if self.fail:
             raise RuntimeError("launch failed")
         torch.matmul(a, b.t(), out=c)
@@ -340,17 +342,12 @@ def _sm99_gemm(extra: str = "") -> str:
 
 
 @pytest.fixture
-def fake_gemm_kernel(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """A built GEMM that computes on the CPU (see _FakeKernel); its launches counted."""
-    launches: list[int] = []
-
-    def kernel(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> None:
-        launches.append(1)
-        torch.matmul(a, b.t(), out=c)
-
+def fake_gemm_kernel(monkeypatch: pytest.MonkeyPatch) -> type[_FakeKernel]:
+    """GEMMs on "sm99" build a _FakeKernel, its builds and launches counted from 0."""
+    _FakeKernel.builds = _FakeKernel.launches = 0
     monkeypatch.setattr(_dispatch, "tensor_device", lambda *t: ("sm99", ""))
-    monkeypatch.setattr(kernels.operator_module("gemm"), "build", lambda *args, **kw: kernel)
-    return launches
+    monkeypatch.setattr(kernels.operator_module("gemm"), "build", lambda *args, **kw: _FakeKernel())
+    return _FakeKernel
 
 
 def _restamp(path: Path, text: str) -> None:
@@ -360,7 +357,9 @@ def _restamp(path: Path, text: str) -> None:
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
 
 
-def test_a_config_section_that_appears_reaches_the_next_call(config_dir: Path, fake_gemm_kernel: list[int]) -> None:
+def test_a_config_section_that_appears_reaches_the_next_call(
+    config_dir: Path, fake_gemm_kernel: type[_FakeKernel]
+) -> None:
     path = config_dir / "sm99.toml"
     path.write_text(_sm99_gemm().split("[gemm.default]")[0], encoding="utf-8")  # no [gemm] yet
     a, b = _cpu_gemm_pair()
@@ -368,11 +367,11 @@ def test_a_config_section_that_appears_reaches_the_next_call(config_dir: Path, f
     assert kernels.fallback_reasons("gemm") == {"unsupported device: no gemm config for sm99": 1}
     _restamp(path, _sm99_gemm())
     assert torch.equal(kernels.gemm(a, b, trans_b=True), torch.matmul(a, b.t()))
-    assert fake_gemm_kernel == [1]
+    assert fake_gemm_kernel.launches == 1
 
 
 def test_a_config_cleared_while_the_first_call_builds_is_not_kept(
-    config_dir: Path, fake_gemm_kernel: list[int], monkeypatch: pytest.MonkeyPatch
+    config_dir: Path, fake_gemm_kernel: type[_FakeKernel], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = config_dir / "sm99.toml"
     path.write_text(_sm99_gemm(), encoding="utf-8")
@@ -389,7 +388,7 @@ def test_a_config_cleared_while_the_first_call_builds_is_not_kept(
     a, b = _cpu_gemm_pair()
     kernels.gemm(a, b, trans_b=True)  # decided on the old config, launched: not kept
     kernels.gemm(a, b, trans_b=True)
-    assert fake_gemm_kernel == [1] and kernels.fallback_reasons("gemm") == {"config: edited": 1}
+    assert fake_gemm_kernel.launches == 1 and kernels.fallback_reasons("gemm") == {"config: edited": 1}
 
 
 def test_cleared_fallback_reasons_are_logged_again_and_freed(caplog: pytest.LogCaptureFixture) -> None:
