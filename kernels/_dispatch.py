@@ -91,23 +91,31 @@ def clear_caches() -> None:
 # reason, or the built kernel's launch (which still falls back if the launch raises). Not kept: a
 # launch that failed (it may not fail again), and calls with `out=` (the full path's copy rules).
 Fire = Callable[..., torch.Tensor]
+# (config, device) -> the built kernel's launch: fire(*tensors, out=None) returns the output it
+# wrote (`out`, or a new tensor). The full path launches it once and the replay keeps it: one
+# build lookup and one launch function per operator.
+Launcher = Callable[[dict[str, Any], str], Fire]
 
 
 class Replay(NamedTuple):
     """What run_or_fallback needs to keep its decision: the call's identity (as `replayed` was
-    asked) and the two sides as functions of the call's tensors, holding none of them."""
+    asked) and the framework op as a function of the call's tensors, holding none of them."""
 
     key: tuple[Any, ...]
     framework: Fire
-    kernel: Callable[[dict[str, Any], str], Fire]  # (config, device) -> the built kernel's launch
 
 
+# Decisions made with no context override, by identity; those made inside use_backend or
+# failing_compiles, by (identity, backend, failure). Two dicts: the common lookup hashes the key
+# alone, with no tuple around it (~50 ns a call).
 _replays: dict[tuple[Any, ...], Fire] = {}
-_MAX_REPLAYS = 4096  # identities kept; past it the memo starts over (as _config's choices)
+_overridden: dict[tuple[Any, ...], Fire] = {}
+_MAX_REPLAYS = 4096  # identities kept in each; past it the memo starts over (as _config's choices)
 _replay_lock = threading.Lock()
 # Bumped whenever the replays are dropped: a decision made across a drop (a config rewritten while
 # its first call compiled) is not kept, since it may rest on what was dropped.
 _generation = 0
+_backend, _failure = _config._forced.get, _failing.get
 
 
 def _forget() -> None:
@@ -115,6 +123,7 @@ def _forget() -> None:
     with _replay_lock:
         _generation += 1
         _replays.clear()
+        _overridden.clear()
 
 
 # A config re-read or cleared drops what it decided; cleared fallback counts drop the fires that
@@ -125,17 +134,21 @@ _fallback.dependents.append(_forget)
 
 def replayed(key: tuple[Any, ...]) -> Fire | None:
     """The decision kept for this call identity under the current contexts, or None."""
-    return _replays.get((key, _config._forced.get(), _failing.get()))
+    backend, failure = _backend(), _failure()
+    if backend is None and failure is None:
+        return _replays.get(key)
+    return _overridden.get((key, backend, failure))
 
 
 def _remember(key: tuple[Any, ...], fire: Fire, generation: int) -> None:
-    full = (key, _config._forced.get(), _failing.get())
+    backend, failure = _backend(), _failure()
+    memo, full = (_replays, key) if backend is None and failure is None else (_overridden, (key, backend, failure))
     with _replay_lock:
         if generation != _generation:
             return
-        if len(_replays) >= _MAX_REPLAYS:
-            _replays.clear()
-        _replays[full] = fire
+        if len(memo) >= _MAX_REPLAYS:
+            memo.clear()
+        memo[full] = fire
 
 
 def _framework_fire(op: str, reason: str, framework: Fire) -> Fire:
@@ -162,6 +175,23 @@ def _kernel_fire(op: str, run: Fire, framework: Fire) -> Fire:
 
 def _kernel_failed(exc: Exception) -> str:
     return f"kernel failed: {type(exc).__name__}: {str(exc).strip()[:200]}"
+
+
+def matrix_launcher(build: Callable[[dict[str, Any], str], Any], rows: int, cols: int) -> Launcher:
+    """The launch of a kernel(a, b, c) that writes a (rows, cols) matrix C of a's dtype and device
+    (GEMM, SwiGLU): `build(config, device)` compiles or fetches it."""
+
+    def make(cfg: dict[str, Any], dev: str) -> Fire:
+        kernel = build(cfg, dev)
+
+        def fire(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+            c = torch.empty((rows, cols), dtype=a.dtype, device=a.device) if out is None else out
+            kernel(a, b, c)
+            return c
+
+        return fire
+
+    return make
 
 
 def tensor_device(*tensors: torch.Tensor) -> tuple[str | None, str]:
@@ -222,14 +252,16 @@ def run_or_fallback(
     device: str | None,
     reason: str,
     facts: dict[str, Any],
-    launch: Callable[[dict[str, Any], str], torch.Tensor],
+    launcher: Launcher,
+    args: tuple[torch.Tensor | None, ...],
     framework: Callable[[], torch.Tensor],
     out: torch.Tensor | None,
     replay: Replay | None = None,
 ) -> torch.Tensor:
-    """Launch the TileLang kernel when everything allows it, else the framework op, recording why.
-    `framework` may write `out` itself and return it (no copy then); anything else is copied into it.
-    With `replay`, the decision is kept for the call's identity (see Replay)."""
+    """Launch the TileLang kernel on `args` (into `out` if given) when everything allows it, else
+    the framework op, recording why. `framework` may write `out` itself and return it (no copy
+    then); anything else is copied into it. With `replay`, the decision is kept for the call's
+    identity (see Replay)."""
     generation = _generation
     if device is not None and not reason:
         if err := _tilelang_import_error():
@@ -243,16 +275,16 @@ def run_or_fallback(
                 reason = _config_reason(choice.reason)
             else:
                 try:
-                    result = launch(choice.config, device)
+                    run = launcher(choice.config, device)
+                    result = run(*args, out=out)
                 except CompileFailed as exc:
                     reason = f"compile failed: {exc}"  # memoized by compile_kernel: kept
                 except Exception as exc:  # the launch itself: bad arguments, a CUDA error
                     reason = _kernel_failed(exc)
                     replay = None
                 else:
-                    if replay is not None:  # built and launched once: the build is memoized
-                        fire = _kernel_fire(op, replay.kernel(choice.config, device), replay.framework)
-                        _remember(replay.key, fire, generation)
+                    if replay is not None:  # built and launched once: this launch is kept
+                        _remember(replay.key, _kernel_fire(op, run, replay.framework), generation)
                     return result
     if replay is not None:
         _remember(replay.key, _framework_fire(op, reason, replay.framework), generation)

@@ -4,9 +4,10 @@ bandwidth against the run's measured copy ceiling. For choosing sm90's small-M r
 `--swiglu` sweeps the fused gate-up + SiLU·mul kernel the same way, against the eager MLP op and the
 same op under torch.compile (default mode). `--split-k 2,4,8` adds kernels.gemm.splitk's configs (fp32
 partials over split_k K ranges, then one reduction kernel; both timed as one op) for the GEMM shapes.
+`--gemv` sweeps kernels.gemm.gemv's weight-streaming schedule (M <= 8) instead of the tiled configs.
 
     PYTHONPATH=$PWD:<site> python3 scripts/h200-smallm-probe.py OUT.json [--m 1,16,64] [--workers 16] [--swiglu]
-        [--split-k 2,4,8]
+        [--split-k 2,4,8] [--gemv]
 
 Every config is compiled in a worker pool first (TileLang's disk cache then serves the main process),
 and checked against a float64 product (output poisoned first) before it is timed.
@@ -54,6 +55,20 @@ def splitk_configs(splits: list[int], k: int) -> list[dict[str, int]]:
     return out
 
 
+def gemv_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
+    from kernels.gemm import gemv
+
+    out: list[dict[str, Any]] = []
+    for rows, unroll in itertools.product((4, 8), (2, 4, 8)):
+        cfg = {"schedule": "gemv", "rows": rows, "unroll": unroll}
+        try:
+            gemv.check(m, n, k, "nt", cfg)
+        except ValueError:
+            continue
+        out.append(cfg)
+    return out
+
+
 def swiglu_configs() -> list[dict[str, int]]:
     out = []
     for bn, bk, st in itertools.product((16, 32, 64), (64, 128, 256), (3, 4, 6)):
@@ -63,7 +78,7 @@ def swiglu_configs() -> list[dict[str, int]]:
     return out
 
 
-def _programs(m: int, n: int, k: int, layout: str, cfg: dict[str, int]) -> list[Any]:
+def _programs(m: int, n: int, k: int, layout: str, cfg: dict[str, Any]) -> list[Any]:
     import importlib
 
     if layout == "swiglu":  # n is the intermediate size, k the hidden size
@@ -75,7 +90,7 @@ def _programs(m: int, n: int, k: int, layout: str, cfg: dict[str, int]) -> list[
     return [importlib.import_module("kernels.gemm").program(m, n, k, layout, "bfloat16", cfg)]
 
 
-def _compile(job: tuple[int, int, int, str, dict[str, int]]) -> str:
+def _compile(job: tuple[int, int, int, str, dict[str, Any]]) -> str:
     import tilelang
 
     m, n, k, layout, cfg = job
@@ -105,6 +120,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--swiglu", action="store_true", help="also sweep kernels.swiglu at the same M")
     ap.add_argument("--split-k", default="", help="also sweep kernels.gemm.splitk with these splits (2,4,8)")
+    ap.add_argument("--gemv", action="store_true", help="sweep kernels.gemm.gemv instead of the tiled configs")
     args = ap.parse_args()
     os.environ["TILELANG_CACHE_DIR"] = "/tmp/smallm-cache"
     shapes = [
@@ -118,12 +134,14 @@ def main() -> int:
 
     splits = [int(x) for x in args.split_k.split(",") if x.strip()]
 
-    def sweep(lay: str, k: int) -> list[dict[str, int]]:
+    def sweep(m: int, n: int, lay: str, k: int) -> list[dict[str, Any]]:
         if lay == "swiglu":
-            return swiglu_configs()
-        return configs() + (splitk_configs(splits, k) if lay == "nt" else [])
+            return list(swiglu_configs())
+        if args.gemv:
+            return gemv_configs(m, n, k) if lay == "nt" else []
+        return [*configs(), *(splitk_configs(splits, k) if lay == "nt" else [])]
 
-    jobs = [(m, n, k, lay, cfg) for m, n, k, lay, _ in shapes for cfg in sweep(lay, k)]
+    jobs = [(m, n, k, lay, cfg) for m, n, k, lay, _ in shapes for cfg in sweep(m, n, lay, k)]
     t0 = time.perf_counter()
     import multiprocessing as mp
 
@@ -169,7 +187,7 @@ def main() -> int:
         row["torch_us"] = r["median_ms"] * 1e3
         row["torch_pct_copy"] = 100 * nbytes / (r["median_ms"] * 1e-3) / 1e12 / ceil["copy_tbps"]
         best = None
-        for cfg in sweep(lay, k):
+        for cfg in sweep(m, n, lay, k):
             entry: dict[str, Any] = {"cfg": cfg}
             if j in failed:
                 entry["error"] = errors[j]

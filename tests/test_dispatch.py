@@ -30,6 +30,11 @@ def _fresh_caches() -> Iterator[None]:
     kernels.clear_caches()
 
 
+def _kept() -> int:
+    """Decisions kept, with and without a context override."""
+    return len(_dispatch._replays) + len(_dispatch._overridden)
+
+
 def _facts_to_try() -> list[tuple[str, dict[str, Any]]]:
     """Every matrix case's facts, and random shapes around the rules' thresholds."""
     out = [(c.op, registry.of(c).facts(c)) for c in cases.expand(matrix.load())]
@@ -220,12 +225,12 @@ def _cpu_gemm_pair() -> tuple[torch.Tensor, torch.Tensor]:
 def test_a_repeated_fallback_is_replayed_and_still_counted() -> None:
     a, b = _cpu_gemm_pair()
     first = kernels.gemm(a, b, trans_b=True)
-    assert len(_dispatch._replays) == 1
+    assert _kept() == 1
     with _Ops() as ops:
         again = kernels.gemm(a, b, trans_b=True)
     assert torch.equal(first, torch.matmul(a, b.t())) and torch.equal(again, first)
     assert ops.seen["aten.mm"] + ops.seen["aten.matmul"] >= 1
-    assert len(_dispatch._replays) == 1  # the second call found the first's decision
+    assert _kept() == 1  # the second call found the first's decision
     assert kernels.fallback_reasons("gemm") == {"unsupported device: cpu tensors": 2}
     # Each operator replays its own decision, with its own framework op (non-trivial values).
     q, k = torch.randn(1, 4, 8, 64), torch.randn(1, 2, 8, 64)
@@ -242,7 +247,7 @@ def test_a_repeated_fallback_is_replayed_and_still_counted() -> None:
     want = kernels.operator_module("decode").reference(dq, k, k, lens)
     for _ in range(2):
         assert torch.allclose(kernels.decode_attention(dq, k, k, lens), want)
-    assert len(_dispatch._replays) == 4
+    assert _kept() == 4
     for op in ("attention", "swiglu", "decode"):
         assert sum(kernels.fallback_reasons(op).values()) == 2, op
 
@@ -257,7 +262,7 @@ def test_the_contexts_and_the_call_identity_are_part_of_the_replay_key() -> None
     kernels.gemm(a.t().contiguous().t(), b, trans_b=True)  # same shape, not contiguous
     kernels.gemm(a, b.t().contiguous(), trans_b=False)
     kernels.gemm(a.float(), b.float(), trans_b=True)
-    assert len(_dispatch._replays) == 6
+    assert _kept() == 6
     reasons = kernels.fallback_reasons("gemm")
     assert reasons["unsupported shape: non-contiguous input"] == 1
     assert reasons["unsupported dtype: torch.float32 x torch.float32"] == 1
@@ -267,11 +272,11 @@ def test_out_calls_are_not_replayed_and_clearing_drops_the_replays() -> None:
     a, b = _cpu_gemm_pair()
     out = torch.full((16, 32), float("nan"), dtype=torch.float16)
     kernels.gemm(a, b, trans_b=True, out=out)
-    assert not _dispatch._replays and torch.equal(out, torch.matmul(a, b.t()))
+    assert not _kept() and torch.equal(out, torch.matmul(a, b.t()))
     kernels.gemm(a, b, trans_b=True)
-    assert _dispatch._replays
+    assert _kept()
     _config.clear_caches()  # what a config file re-read does too
-    assert not _dispatch._replays
+    assert not _kept()
 
 
 class _FakeKernel:
@@ -305,17 +310,17 @@ def test_a_kernel_decision_is_replayed_without_building_and_a_failed_launch_is_n
 
     gemm_mod = kernels.operator_module("gemm")
     monkeypatch.setattr(gemm_mod, "build", lambda *args, **kw: _FakeKernel(fail))
-    _FakeKernel.builds = 0
+    _FakeKernel.builds = _FakeKernel.launches = 0
     a, b = _cpu_gemm_pair()
     want = torch.matmul(a, b.t())
     with kernels.use_backend("tilelang"):
         for _ in range(3):
             assert torch.equal(kernels.gemm(a, b, trans_b=True), want)
     if fail:  # every call tried the kernel (as the full path does), none kept it, each fell back
-        assert not _dispatch._replays and _FakeKernel.builds == 3
+        assert not _kept() and _FakeKernel.builds == 3
         assert kernels.fallback_reasons("gemm") == {"kernel failed: RuntimeError: launch failed": 3}
-    else:  # built twice (the first launch, the kept fire), then only launched
-        assert len(_dispatch._replays) == 1 and _FakeKernel.builds == 2
+    else:  # built once: the first call's launch is the one kept, then only launched
+        assert _kept() == 1 and _FakeKernel.builds == 1 and _FakeKernel.launches == 3
         assert kernels.fallback_reasons("gemm") == {}
     # The kept decision holds none of the call's tensors.
     gone = weakref.ref(a)
@@ -406,4 +411,4 @@ def test_cleared_fallback_reasons_are_logged_again_and_freed(caplog: pytest.LogC
         q, kv = torch.randn(1, 1, sq, 64, dtype=torch.float16), torch.randn(1, 1, 1, 64, dtype=torch.float16)
         kernels.decode_attention(q, kv, kv, None)
     kernels.clear_fallback_reasons()
-    assert not _fallback._cells and not _dispatch._replays
+    assert not _fallback._cells and not _kept()

@@ -33,18 +33,19 @@ def _source(causal: bool, head_dim: int, cfg: dict[str, Any], kv_heads: int = 8)
 
 
 @pytest.mark.parametrize(
-    ("causal", "head_dim", "block_n", "p_sets", "pingpong"),
+    ("causal", "head_dim", "block_n", "p_sets", "pingpong", "heads_first"),
     [
-        (False, 128, 128, 1, 0),
-        (True, 128, 128, 1, 0),
-        (False, 128, 64, 2, 0),
-        (True, 64, 64, 1, 0),
-        (False, 128, 128, 1, 1),
-        (True, 128, 64, 2, 1),
+        (False, 128, 128, 1, 0, 0),
+        (True, 128, 128, 1, 0, 0),
+        (False, 128, 64, 2, 0, 0),
+        (True, 64, 64, 1, 0, 0),
+        (False, 128, 128, 1, 1, 0),
+        (True, 128, 64, 2, 1, 0),
+        (True, 128, 128, 1, 1, 1),  # the causal config sm90.toml pins where K/V fit in L2
     ],
 )
 def test_compiles_with_the_wgmmas_in_flight(
-    tmp_path: Path, causal: bool, head_dim: int, block_n: int, p_sets: int, pingpong: int
+    tmp_path: Path, causal: bool, head_dim: int, block_n: int, p_sets: int, pingpong: int, heads_first: int
 ) -> None:
     """nvcc with TileLang's own options and ptxas's report: ptxas serializes every wgmma of a kernel
     whose pipeline it cannot follow (C7514) or whose registers do not suffice (C7512), and says so."""
@@ -52,19 +53,23 @@ def test_compiles_with_the_wgmmas_in_flight(
         pytest.fail("nvcc is not on PATH: compile-only checks need CUDA's nvcc (CUDA 13.0)")
     from tilelang.cuda.backend import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
 
-    src = _source(causal, head_dim, {"block_N": block_n, "p_sets": p_sets, "pingpong": pingpong})
+    cfg = {"block_N": block_n, "p_sets": p_sets, "pingpong": pingpong, "heads_first": heads_first}
+    src = _source(causal, head_dim, cfg)
     # The schedule in the source: Q·Kᵀ(j) and P·V(j-1) issued before the first wait, which leaves one.
     assert "wait_wgmma<1>" in src and src.count("wgmma_rs") >= 2 and "tma_load" in src
     # Ping-pong: each consumer waits for its turn (bar.sync 1 or 2 of 256 threads) and gives the other
     # one its turn (bar.arrive); none of it without the knob.
     turns = ("__sync_thread_partial(1, 256)", "__sync_thread_partial(2, 256)", "__named_barrier_arrive(1, 256)")
     assert all((t in src) == bool(pingpong) for t in (*turns, "__named_barrier_arrive(2, 256)"))
-    # Causal runs each head's tiles longest-first: the query tile counted down the grid's x (the first
-    # row 1920 of 2048 at x = 0, the tile with every key block); not causal keeps them in order.
+    # Causal runs longest-first: the query tile counted down the grid's x (the first row 1920 of 2048
+    # at x = 0, the tile with every key block), or down its y with the heads in x (heads_first); not
+    # causal keeps them in order. The head is the other index.
     q_load = re.search(r"tma_load\(Q_desc, q_full\[0\], [^;]*", src)
     assert q_load is not None, "the Q tile's TMA load was not found"
-    rows = "(1920 - (((int)blockIdx.x) * 128))" if causal else "(((int)blockIdx.x) * 128)"
+    tile, head = ("blockIdx.y", "blockIdx.x") if heads_first else ("blockIdx.x", "blockIdx.y")
+    rows = f"(1920 - (((int){tile}) * 128))" if causal else f"(((int){tile}) * 128)"
     assert f", {rows}, " in q_load.group(0), q_load.group(0)
+    assert f"((int){head})" in q_load.group(0), q_load.group(0)
     cu = tmp_path / "fa3.cu"
     cu.write_text(src)
     cmd = ["nvcc", "-std=c++20", f"-I{TILELANG_TEMPLATE_PATH}", f"-I{CUTLASS_INCLUDE_DIR}", "--use_fast_math"]
@@ -84,6 +89,8 @@ def test_compiles_with_the_wgmmas_in_flight(
         (2048, 128, False, {"block_N": 32}, "block_N=32"),
         (2048, 128, False, {"block_N": 128, "pingpong": 2}, "pingpong=2"),
         (0, 128, False, {"block_N": 128}, "at least one"),
+        (2048, 128, False, {"block_N": 128, "heads_first": 1}, "heads_first=1"),
+        (2048, 128, True, {"block_N": 128, "heads_first": 2}, "heads_first=2"),
     ],
 )
 def test_domain_is_refused_in_one_line(seq: int, head_dim: int, causal: bool, cfg: dict[str, Any], says: str) -> None:
@@ -106,6 +113,7 @@ def test_domain_is_refused_in_one_line(seq: int, head_dim: int, causal: bool, cf
         # Ping-pong: turns over 16 blocks; causal tiles of one block (no turn at all) up to 16.
         (False, 8, 2048, 2048, {"block_N": 128, "pingpong": 1}),
         (True, 8, 2048, 2048, {"block_N": 128, "pingpong": 1}),
+        (True, 8, 2048, 2048, {"block_N": 128, "pingpong": 1, "heads_first": 1}),  # sm90.toml's, K/V in L2
         (True, 2, 1024, 1024, {"block_N": 64, "p_sets": 2, "pingpong": 1}),
         (False, 8, 256, 192, {"block_N": 64, "p_sets": 2, "pingpong": 1}),
     ],
@@ -164,9 +172,16 @@ def test_the_rules_pin_fa3_exactly_inside_its_domain_and_ship_sdpa() -> None:
                         assert (ch.config["threads"], ch.config["num_stages"], ch.config["block_M"]) == (384, 2, 128)
                         assert ch.config["pingpong"] == (mask == "causal"), f  # the probe's faster variant
                         fa3.check(seq_q, seq_kv, head_dim, mask == "causal", ch.config)  # no refusal
+                        # Every head's heaviest tile first exactly where all heads' K/V fit in 32 MiB.
+                        fits = mask == "causal" and 4 * 8 * seq_kv * head_dim <= 32 << 20
+                        assert ch.config.get("heads_first", 0) == fits, f
                     ch80 = _config.choose("sm80", "attention", f)
                     assert ch80 is not None and ch80.config.get("schedule", "auto") == "auto", f
     assert picked == 3 * 4 + 3  # not causal: q in {2048, 4096, 4224}, kv those and 1024; causal: square
+    # Past 32 MiB of K/V (the matrix's S 16384 and MHA batch 8) each head's tiles run in turn.
+    for batch, kv_heads, seq in ((1, 8, 8192), (1, 8, 16384), (8, 32, 4096)):
+        ch = _config.choose("sm90", "attention", facts(batch, 32, kv_heads, seq, seq, 128, "causal", "bfloat16"))
+        assert ch is not None and ch.config.get("heads_first", 0) == (seq == 8192), (batch, kv_heads, seq)
 
 
 def test_a_tuned_winner_of_the_automatic_schedule_is_not_laid_over_fa3() -> None:

@@ -125,17 +125,13 @@ def test_a_forced_compile_failure_falls_back_without_entering_the_memo() -> None
     a, b = rand(256, 192), rand(128, 192)
     gemm = importlib.import_module("kernels.gemm")
 
-    def launch(cfg: dict[str, Any], dev: str) -> torch.Tensor:
-        kernel = gemm.build(256, 128, 192, "nt", "float16", dev, cfg)
-        c = torch.empty(256, 128, dtype=a.dtype)
-        kernel(a, b, c)
-        return c
-
+    launcher = gemm._launcher(256, 128, 192, "nt", "float16")
     facts = gemm.facts(256, 128, 192, "nt", "float16")
     before = dict(_dispatch._failed)
     with kernels.use_backend("tilelang"), _dispatch.failing_compiles("injected"):
         for _ in range(2):
-            got = _dispatch.run_or_fallback("gemm", "sm90", "", facts, launch, lambda: torch.matmul(a, b.t()), None)
+            framework = lambda: torch.matmul(a, b.t())  # noqa: E731
+            got = _dispatch.run_or_fallback("gemm", "sm90", "", facts, launcher, (a, b), framework, None)
             assert torch.equal(got, torch.matmul(a, b.t()))
     assert kernels.fallback_reasons("gemm") == {"compile failed: injected": 2}
     assert _dispatch._failed == before

@@ -219,10 +219,15 @@ class Operator:
         """An uninitialized output tensor of the right shape and dtype."""
         raise NotImplementedError
 
-    def public(self, case: Case, inputs: tuple[Any, ...], out: torch.Tensor | None) -> torch.Tensor:
-        """The public API as model code calls it, into `out` (None: its own output); the configs
-        decide what runs."""
+    def api(self, case: Case) -> Callable[..., torch.Tensor]:
+        """The public API function as model code calls it for this case's variant, its flags bound:
+        api(case)(*inputs, out=None). The configs decide what runs. Bound once, so that timing it
+        (the overhead's shipped side, against fallback_call) times the API and nothing of the harness."""
         raise NotImplementedError
+
+    def public(self, case: Case, inputs: tuple[Any, ...], out: torch.Tensor | None) -> torch.Tensor:
+        """The public API on `inputs`, into `out` (None: its own output)."""
+        return self.api(case)(*inputs, out=out)
 
     def launch(self, kernel: Any, inputs: tuple[Any, ...], out: torch.Tensor) -> None:
         """The compiled TileLang kernel itself, into `out`."""

@@ -117,20 +117,17 @@ def measure_overhead(op_name: str) -> dict[str, Any]:
     # call), bound once: the timed reference's backend pin and prebuilt mask, or the harness's own
     # lookups per call, would put host work on one side only.
     direct = op.fallback_call(case, inputs)
+    # The public API as model code calls it (no `out`), bound once as `direct` is.
+    api = op.api(case)
     kernels.clear_fallback_reasons()
-    shipped_calls = [0]
-
-    def shipped() -> Any:
-        shipped_calls[0] += 1
-        return op.public(case, inputs, None)  # as model code calls it: no `out`
-
-    out = time_pair(shipped, direct, torch.cuda.synchronize)
+    out = time_pair(lambda: api(*inputs), direct, torch.cuda.synchronize)
     # What the shipped path ran: the framework op (and why) or the kernel, on every call or not.
     fell_back = kernels.fallback_reasons(op_name)
-    n = sum(fell_back.values())
+    n, m = sum(fell_back.values()), out["method"]
+    calls = m["warmup"] + m["calls"] * m["rounds"] + m["singles"]
     return {
         "case": case.id,
-        "shipped": "framework" if n == shipped_calls[0] else "tilelang" if n == 0 else "mixed",
+        "shipped": "framework" if n == calls else "tilelang" if n == 0 else "mixed",
         "fallbacks": fell_back,
         **out,
     }

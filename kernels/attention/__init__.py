@@ -167,6 +167,8 @@ def facts(
         "head_dim": head_dim,
         "mask": mask,
         "dtype": dtype,
+        # K and V of all heads, 2 bytes an element (fp16, bf16): what competes for L2 (fa3's tile order)
+        "kv_bytes": 4 * batch * kv_heads * seq_kv * head_dim,
     }
 
 
@@ -202,14 +204,15 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _launcher(f: dict[str, Any]) -> Callable[[dict[str, Any], str], _dispatch.Fire]:
-    """The replayed kernel call of one case: built once, then an allocation and a launch a call."""
+def _launcher(args: dict[str, Any]) -> _dispatch.Launcher:
+    """The kernel's launch for one case (`args`: build's, but the device and config): built once,
+    then an allocation (unless `out`) and a launch."""
 
     def make(cfg: dict[str, Any], dev: str) -> _dispatch.Fire:
-        kernel = build(**f, device=dev, cfg=cfg)
+        kernel = build(**args, device=dev, cfg=cfg)
 
-        def fire(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            o = torch.empty_like(q)
+        def fire(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+            o = torch.empty_like(q) if out is None else out
             kernel(q, k, v, o)
             return o
 
@@ -231,8 +234,22 @@ def attention(
     # A call seen before replays its decision (kernels._dispatch.Replay; as in kernels.gemm).
     key: tuple[Any, ...] | None = None
     if attn_mask is None and out is None and (causal is True or causal is False):  # 1 == True, yet SDPA refuses 1
-        key = ("attention", causal, q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device)
-        key += (v.device, q.is_contiguous(), k.is_contiguous(), v.is_contiguous())
+        key = (
+            "attention",
+            causal,
+            q.shape,
+            k.shape,
+            v.shape,
+            q.dtype,
+            k.dtype,
+            v.dtype,
+            q.device,
+            k.device,
+            v.device,
+            q.is_contiguous(),
+            k.is_contiguous(),
+            v.is_contiguous(),
+        )  # one tuple: no concatenation on the replayed path
         if (fire := _dispatch.replayed(key)) is not None:
             return fire(q, k, v)
     return _attention(q, k, v, causal, attn_mask, out, key)
@@ -253,6 +270,7 @@ def _attention(
     dtype = DTYPES.get(q.dtype)
     qs, ks = q.shape, k.shape
     f: dict[str, Any] = {}
+    args: dict[str, Any] = {}  # build's arguments, where the kernel applies
     reason = ""
     if dtype is None or k.dtype != q.dtype or v.dtype != q.dtype:
         reason = f"unsupported dtype: {q.dtype}"
@@ -268,18 +286,15 @@ def _attention(
         reason = "unsupported shape: non-contiguous input"
     else:
         b, h, sq, d = qs
-        f = facts(b, h, ks[1], sq, ks[2], d, "causal" if causal else "none", dtype)
+        mask = "causal" if causal else "none"
+        args = {"batch": b, "heads": h, "kv_heads": ks[1], "seq_q": sq, "seq_kv": ks[2], "head_dim": d, "mask": mask}
+        args["dtype"] = dtype
+        f = facts(**args)
     if out is not None and not reason and (out.shape != qs or out.dtype != q.dtype or not out.is_contiguous()):
         reason = "unsupported shape: `out` is not a contiguous tensor like q"
     device = None
     if not reason:
         device, reason = _dispatch.tensor_device(q, k, v)
-
-    def launch(cfg: dict[str, Any], dev: str) -> torch.Tensor:
-        kernel = build(**f, device=dev, cfg=cfg)
-        o = out if out is not None else torch.empty_like(q)
-        kernel(q, k, v, o)
-        return o
 
     def framework() -> torch.Tensor:
         return F.scaled_dot_product_attention(
@@ -293,5 +308,5 @@ def _attention(
             is_causal=causal,
             enable_gqa=len(qs) == 4 and len(ks) == 4 and qs[1] != ks[1],
         )
-        replay = _dispatch.Replay(key, sdpa, _launcher(f))
-    return _dispatch.run_or_fallback("attention", device, reason, f, launch, framework, out, replay)
+        replay = _dispatch.Replay(key, sdpa)
+    return _dispatch.run_or_fallback("attention", device, reason, f, _launcher(args), (q, k, v), framework, out, replay)

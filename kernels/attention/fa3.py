@@ -24,15 +24,17 @@ pipeline, which releases a K/V stage at the issue. Here nothing is automatic:
   turn before it issues Q·Kᵀ(j), and gives the turn away once P·V(j-1) is issued, so that one
   consumer's softmax runs under the other's wgmmas (FA3's inter-warpgroup overlap).
 
-Causal grids run each head's query tiles longest-first: the grid is (query tile, head, batch) as
-without the mask, the tile index reversed, so that the diagonal's last tile (every key block) of a
-head launches first and its first tile (one block) last, and the grid ends on the lightest tiles.
-Heads stay in the grid's y: the CTAs in flight share one head's K/V in L2 (994c43c put heads in x
-to run every head's heaviest tile first: +5.6% at S 4096 where 8 kv heads' K/V fit in L2, -1.3% at
-S 32768 and -6% on MHA batch 8, where they do not; docs/perf-notes.md). Not yet: causal blocks split
-into unmasked and diagonal loops, a persistent grid. Each is measured alone.
+Causal grids run longest-first, in one of two orders (knob `heads_first`). 0: each head's query
+tiles reversed, heads in the grid's y, so that the CTAs in flight share one head's K/V in L2. 1:
+heads in the grid's x and the query tiles reversed in y, so that every head's heaviest tile (the
+diagonal's last, every key block) runs before any lighter one and the grid ends on one-block tiles.
+Measured on an H100 (994c43c against 1db9afd, docs/perf-notes.md): 1 gives +5.6% at S 4096 and
++1.5% at S 8192, where all heads' K/V (16 and 32 MiB) fit in the 50 MiB L2, and loses 1.6% at
+S 16384, 1.5% at S 32768 and 6% on MHA batch 8, where they do not; sm90.toml sets it where they fit.
+Not yet: causal blocks split into unmasked and diagonal loops, a persistent grid. Each is measured
+alone.
 
-Knobs: block_N (64 or 128 keys a block) and p_sets: 1 keeps P(j) in the registers that P·V(j-1)
+Knobs: heads_first (above), block_N (64 or 128 keys a block) and p_sets: 1 keeps P(j) in the registers that P·V(j-1)
 reads, so its cast waits for that wgmma (ptxas then waits before the softmax too: compiled here, the
 SASS of block_N=128 runs no exp under P·V), 2 alternates two register sets, two blocks a turn (only
 at block_N=64: at 128 ptxas spills and serializes every wgmma); pingpong 0 or 1. Which is faster is
@@ -84,6 +86,8 @@ def check(seq_q: int, seq_kv: int, head_dim: int, causal: bool, cfg: dict[str, A
         raise ValueError(
             f"fa3: block_N={bn}, p_sets={p_sets}, pingpong={pp!r}: block_N is 64 or 128, p_sets 1 or 2, pingpong 0 or 1"
         )
+    if (hf := cfg.get("heads_first", 0)) not in (0, 1) or (hf and not causal):
+        raise ValueError(f"fa3: heads_first={hf!r}: 0, or 1 with a causal mask (a tile order for causal grids)")
     if p_sets == 2 and bn > 64:  # 2 x 32 registers of P beside S and O: ptxas spills and serializes (C7512)
         raise ValueError("fa3: p_sets=2 needs block_N=64 (at 128, ptxas spills and serializes the wgmmas)")
     if head_dim not in (64, 128):
@@ -223,6 +227,8 @@ def program(
         T.copy(c.o, O[bz, by, row0 : row0 + ROWS, :])
 
     n_q = seq_q // bm
+    heads_first = bool(cfg.get("heads_first", 0))
+    grid = (heads, n_q, batch) if heads_first else (n_q, heads, batch)
 
     @T.prim_func
     def main(
@@ -231,10 +237,13 @@ def program(
         V: T.Tensor((batch, kv_heads, seq_kv, d), dtype),  # type: ignore[valid-type]
         O: T.Tensor((batch, heads, seq_q, d), dtype),  # type: ignore[valid-type]
     ) -> None:
-        with T.Kernel(n_q, heads, batch, threads=384) as (g0, by, bz):
-            # Causal: a head's heaviest query tile (the most key blocks) first, its lightest last, so
-            # that the grid's last wave holds short tiles, not the longest.
-            bx = n_q - 1 - g0 if causal else g0
+        with T.Kernel(*grid, threads=384) as (g0, g1, bz):
+            # Causal: the heaviest query tiles (the most key blocks) first, the lightest last, so that
+            # the grid's last wave holds short tiles, not the longest: a head's (heads in y) or every
+            # head's (heads_first: heads in x) before any lighter one.
+            by = g0 if heads_first else g1
+            tile = g1 if heads_first else g0
+            bx = n_q - 1 - tile if causal else tile
             q0 = T.alloc_shared((ROWS, d), dtype)
             q1 = T.alloc_shared((ROWS, d), dtype)
             k_s = T.alloc_shared((2, bn, d), dtype)  # the K and V rings: stage j % 2

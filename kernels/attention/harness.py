@@ -3,6 +3,8 @@ SDPA's is_causal, GQA) against F.scaled_dot_product_attention."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from tilepilot import registry
@@ -69,10 +71,10 @@ class Attention(Operator):
 
         return torch.empty_like(inputs[0])
 
-    def public(self, case: Case, inputs: tuple[Any, ...], out: Any) -> Any:
+    def api(self, case: Case) -> Callable[..., Any]:
         import kernels
 
-        return kernels.attention(*inputs, causal=case.variant == "causal", out=out)
+        return functools.partial(kernels.attention, causal=case.variant == "causal")
 
     def launch(self, kernel: Any, inputs: tuple[Any, ...], out: Any) -> None:
         kernel(*inputs, out)

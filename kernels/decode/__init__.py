@@ -361,16 +361,21 @@ def reference_exact(
     return out
 
 
-def _launcher(f: dict[str, Any]) -> Callable[[dict[str, Any], str], Callable[..., torch.Tensor]]:
-    """The replayed kernel call of one case: built once, then the workspaces and a launch a call."""
+def _launcher(f: dict[str, Any]) -> _dispatch.Launcher:
+    """The kernel's launch for one case: built once, then the workspaces, the output (unless `out`)
+    and a launch a call."""
 
-    def make(cfg: dict[str, Any], dev: str) -> Callable[..., torch.Tensor]:
+    def make(cfg: dict[str, Any], dev: str) -> _dispatch.Fire:
         kernel = build(**f, device=dev, cfg=cfg)
 
         def fire(
-            q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | None
+            q: torch.Tensor,
+            k_cache: torch.Tensor,
+            v_cache: torch.Tensor,
+            cache_seqlens: torch.Tensor | None,
+            out: torch.Tensor | None = None,
         ) -> torch.Tensor:
-            return launch(kernel, q, k_cache, v_cache, cache_seqlens, torch.empty_like(q))
+            return launch(kernel, q, k_cache, v_cache, cache_seqlens, torch.empty_like(q) if out is None else out)
 
         return fire
 
@@ -393,9 +398,22 @@ def decode_attention(
     key: tuple[Any, ...] | None = None
     if out is None:
         lens_id = None if cache_seqlens is None else (cache_seqlens.dtype, cache_seqlens.shape, cache_seqlens.device)
-        key = ("decode", q.shape, k_cache.shape, v_cache.shape, q.dtype, k_cache.dtype, v_cache.dtype, lens_id)
-        key += (q.device, k_cache.device, v_cache.device)
-        key += (q.is_contiguous(), k_cache.is_contiguous(), v_cache.is_contiguous())
+        key = (
+            "decode",
+            q.shape,
+            k_cache.shape,
+            v_cache.shape,
+            q.dtype,
+            k_cache.dtype,
+            v_cache.dtype,
+            lens_id,
+            q.device,
+            k_cache.device,
+            v_cache.device,
+            q.is_contiguous(),
+            k_cache.is_contiguous(),
+            v_cache.is_contiguous(),
+        )  # one tuple: no concatenation on the replayed path
         if (fire := _dispatch.replayed(key)) is not None:
             return fire(q, k_cache, v_cache, cache_seqlens)
     return _decode(q, k_cache, v_cache, cache_seqlens, out, key)
@@ -445,12 +463,9 @@ def _decode(
         lens = () if cache_seqlens is None else (cache_seqlens,)
         device, reason = _dispatch.tensor_device(q, k_cache, v_cache, *lens)
 
-    def run(cfg: dict[str, Any], dev: str) -> torch.Tensor:
-        kernel = build(**f, device=dev, cfg=cfg)
-        return launch(kernel, q, k_cache, v_cache, cache_seqlens, out if out is not None else torch.empty_like(q))
-
     def framework() -> torch.Tensor:
         return reference(q, k_cache, v_cache, cache_seqlens)
 
-    replay = None if key is None else _dispatch.Replay(key, reference, _launcher(f))
-    return _dispatch.run_or_fallback("decode", device, reason, f, run, framework, out, replay)
+    replay = None if key is None else _dispatch.Replay(key, reference)
+    args = (q, k_cache, v_cache, cache_seqlens)
+    return _dispatch.run_or_fallback("decode", device, reason, f, _launcher(f), args, framework, out, replay)

@@ -5,6 +5,7 @@ A case whose sequences all fill the cache (min_len = cache_len) calls with cache
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from tilepilot import registry
@@ -84,10 +85,10 @@ class Decode(Operator):
 
         return torch.empty_like(inputs[0])
 
-    def public(self, case: Case, inputs: tuple[Any, ...], out: Any) -> Any:
+    def api(self, case: Case) -> Callable[..., Any]:
         import kernels
 
-        return kernels.decode_attention(*inputs, out=out)
+        return kernels.decode_attention
 
     def launch(self, kernel: Any, inputs: tuple[Any, ...], out: Any) -> None:
         self.kernel.launch(kernel, *inputs, out)

@@ -12,7 +12,14 @@ DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]) -> Any:
-    """The TileLang prim_func for one static shape; `cfg` holds tile sizes, stages and threads."""
+    """The TileLang prim_func for one static shape; `cfg` holds tile sizes, stages and threads, or
+    `schedule = "gemv"` and that schedule's knobs (kernels/gemm/gemv.py: a few rows, nt)."""
+    if (schedule := cfg.get("schedule", "auto")) == "gemv":
+        from kernels.gemm import gemv
+
+        return gemv.program(m, n, k, layout, dtype, cfg)
+    if schedule != "auto":
+        raise ValueError(f"gemm: schedule {schedule!r} is 'auto' (the tiled kernel) or 'gemv'")
     import tilelang.language as T
 
     bm, bn, bk = cfg["block_M"], cfg["block_N"], cfg["block_K"]
@@ -79,6 +86,8 @@ def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]
 def tunable(m: int, n: int, k: int, layout: str, dtype: str, base: dict[str, Any]) -> Callable[..., Any]:
     """The program as TileLang's AutoTuner takes it: the knobs as keyword parameters (defaults: `base`),
     and only plain values in the closure, which the tuner keys its cache by."""
+    if base.get("schedule", "auto") != "auto":  # tilepilot.tune skips these cases first
+        raise ValueError(f"gemm: the {base['schedule']} schedule has no tune space here; its rule pins it")
     knobs = {
         key: int(base.get(key, 0)) for key in ("block_M", "block_N", "block_K", "num_stages", "threads", "swizzle")
     }
@@ -138,20 +147,9 @@ def _matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a, b.t())
 
 
-def _launcher(m: int, n: int, k: int, layout: str, dtype: str) -> Callable[[dict[str, Any], str], _dispatch.Fire]:
-    """The replayed kernel call of one shape: built once, then an allocation and a launch a call."""
-
-    def make(cfg: dict[str, Any], dev: str) -> _dispatch.Fire:
-        kernel = build(m, n, k, layout, dtype, dev, cfg)
-
-        def fire(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-            c = torch.empty((m, n), dtype=a.dtype, device=a.device)
-            kernel(a, b, c)
-            return c
-
-        return fire
-
-    return make
+def _launcher(m: int, n: int, k: int, layout: str, dtype: str) -> _dispatch.Launcher:
+    """The kernel's launch for one shape: built once, then an allocation (unless `out`) and a launch."""
+    return _dispatch.matrix_launcher(lambda cfg, dev: build(m, n, k, layout, dtype, dev, cfg), m, n)
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, *, trans_b: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -160,8 +158,18 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, trans_b: bool = False, out: torch.
     # what the decision below reads from the call.
     key: tuple[Any, ...] | None = None
     if out is None:
-        key = ("gemm", trans_b, a.shape, b.shape, a.dtype, b.dtype, a.device, b.device)
-        key += (a.is_contiguous(), b.is_contiguous())
+        key = (
+            "gemm",
+            trans_b,
+            a.shape,
+            b.shape,
+            a.dtype,
+            b.dtype,
+            a.device,
+            b.device,
+            a.is_contiguous(),
+            b.is_contiguous(),
+        )
         if (fire := _dispatch.replayed(key)) is not None:
             return fire(a, b)
     return _gemm(a, b, trans_b, out, key)
@@ -198,12 +206,6 @@ def _gemm(
     if not reason:
         device, reason = _dispatch.tensor_device(a, b)
 
-    def launch(cfg: dict[str, Any], dev: str) -> torch.Tensor:
-        kernel = build(m, n, k, layout, dtype, dev, cfg)
-        c = out if out is not None else torch.empty((m, n), dtype=a.dtype, device=a.device)
-        kernel(a, b, c)
-        return c
-
     def framework() -> torch.Tensor:
         # torch.matmul straight into `out` where that is what a copy would give: one write, no temporary.
         if out is not None and a.dim() == 2 and b.dim() == 2 and b.dtype == a.dtype:
@@ -213,7 +215,6 @@ def _gemm(
         return reference(a, b, trans_b)
 
     f = facts(m, n, k, layout, dtype) if not reason else {}
-    replay = None
-    if key is not None:
-        replay = _dispatch.Replay(key, _matmul_nt if trans_b else torch.matmul, _launcher(m, n, k, layout, dtype))
-    return _dispatch.run_or_fallback("gemm", device, reason, f, launch, framework, out, replay)
+    replay = None if key is None else _dispatch.Replay(key, _matmul_nt if trans_b else torch.matmul)
+    launcher = _launcher(m, n, k, layout, dtype)
+    return _dispatch.run_or_fallback("gemm", device, reason, f, launcher, (a, b), framework, out, replay)

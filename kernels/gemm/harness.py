@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from tilepilot import registry
@@ -51,10 +53,10 @@ class Gemm(Operator):
         a = inputs[0]
         return torch.empty((case.dims["m"], case.dims["n"]), dtype=a.dtype, device=a.device)
 
-    def public(self, case: Case, inputs: tuple[Any, ...], out: Any) -> Any:
+    def api(self, case: Case) -> Callable[..., Any]:
         import kernels
 
-        return kernels.gemm(inputs[0], inputs[1], trans_b=case.variant == "nt", out=out)
+        return functools.partial(kernels.gemm, trans_b=case.variant == "nt")
 
     def launch(self, kernel: Any, inputs: tuple[Any, ...], out: Any) -> None:
         kernel(inputs[0], inputs[1], out)

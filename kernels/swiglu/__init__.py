@@ -92,22 +92,9 @@ def reference(x: torch.Tensor, w_gate_up: torch.Tensor, out: torch.Tensor | None
     return torch.mul(F.silu(gate), up, out=out)
 
 
-def _launcher(
-    m: int, hidden: int, inter: int, dtype: str
-) -> Callable[[dict[str, Any], str], Callable[..., torch.Tensor]]:
-    """The replayed kernel call of one shape: built once, then an allocation and a launch a call."""
-
-    def make(cfg: dict[str, Any], dev: str) -> Callable[..., torch.Tensor]:
-        kernel = build(m, hidden, inter, dtype, dev, cfg)
-
-        def fire(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
-            o = torch.empty((m, inter), dtype=x.dtype, device=x.device)
-            kernel(x, w_gate_up, o)
-            return o
-
-        return fire
-
-    return make
+def _launcher(m: int, hidden: int, inter: int, dtype: str) -> _dispatch.Launcher:
+    """The kernel's launch for one shape: built once, then an allocation (unless `out`) and a launch."""
+    return _dispatch.matrix_launcher(lambda cfg, dev: build(m, hidden, inter, dtype, dev, cfg), m, inter)
 
 
 def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -116,8 +103,17 @@ def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, *, out: torch.Tensor | None
     # A call seen before replays its decision (kernels._dispatch.Replay; as in kernels.gemm).
     key: tuple[Any, ...] | None = None
     if out is None:
-        key = ("swiglu", x.shape, w_gate_up.shape, x.dtype, w_gate_up.dtype, x.device, w_gate_up.device)
-        key += (x.is_contiguous(), w_gate_up.is_contiguous())
+        key = (
+            "swiglu",
+            x.shape,
+            w_gate_up.shape,
+            x.dtype,
+            w_gate_up.dtype,
+            x.device,
+            w_gate_up.device,
+            x.is_contiguous(),
+            w_gate_up.is_contiguous(),
+        )
         if (fire := _dispatch.replayed(key)) is not None:
             return fire(x, w_gate_up)
     return _swiglu(x, w_gate_up, out, key)
@@ -154,12 +150,6 @@ def _swiglu(
     if not reason:
         device, reason = _dispatch.tensor_device(x, w_gate_up)
 
-    def launch(cfg: dict[str, Any], dev: str) -> torch.Tensor:
-        kernel = build(m, hidden, inter, dtype, dev, cfg)
-        o = out if out is not None else torch.empty((m, inter), dtype=x.dtype, device=x.device)
-        kernel(x, w_gate_up, o)
-        return o
-
     def framework() -> torch.Tensor:
         # Straight into `out` where that is what a copy would give: one write, no temporary.
         if out is not None and x.dim() == 2 and w_gate_up.dim() == 2 and w_gate_up.dtype == x.dtype:
@@ -169,5 +159,6 @@ def _swiglu(
         return reference(x, w_gate_up)
 
     f = facts(m, hidden, inter, dtype) if not reason else {}
-    replay = None if key is None else _dispatch.Replay(key, reference, _launcher(m, hidden, inter, dtype))
-    return _dispatch.run_or_fallback("swiglu", device, reason, f, launch, framework, out, replay)
+    replay = None if key is None else _dispatch.Replay(key, reference)
+    launcher = _launcher(m, hidden, inter, dtype)
+    return _dispatch.run_or_fallback("swiglu", device, reason, f, launcher, (x, w_gate_up), framework, out, replay)

@@ -4,6 +4,7 @@ op as the Llama block writes it (torch.matmul, chunk, F.silu, multiply)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from tilepilot import registry
@@ -48,10 +49,10 @@ class Swiglu(Operator):
         x = inputs[0]
         return torch.empty((case.dims["m"], case.dims["inter"]), dtype=x.dtype, device=x.device)
 
-    def public(self, case: Case, inputs: tuple[Any, ...], out: Any) -> Any:
+    def api(self, case: Case) -> Callable[..., Any]:
         import kernels
 
-        return kernels.swiglu(inputs[0], inputs[1], out=out)
+        return kernels.swiglu
 
     def launch(self, kernel: Any, inputs: tuple[Any, ...], out: Any) -> None:
         kernel(inputs[0], inputs[1], out)

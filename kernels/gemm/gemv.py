@@ -1,0 +1,87 @@
+"""A weight-streaming GEMM for a few rows (issue 20): C = A·Bᵀ with M <= 8, nn.Linear's layout ("nt"),
+the schedule of a GEMV. Pinned by sm90.toml's rules where they say so (`schedule = "gemv"`).
+
+Why: at M = 1 a GEMM is a pass over the weight B, and what bounds it is how many of B's bytes are in
+flight, not the tensor cores. The tiled kernel (kernels.gemm, 64-row wgmma tiles of which 63 rows are
+padding) launches N / block_N blocks: 64 on the o and down projections, 96 on qkv, for 132 SMs, and
+cuBLAS reads the weight at 48-56% of the copy ceiling on o and qkv (H100, docs/perf-notes.md, session
+19); split-K's second pass lost what its extra blocks gained. Here every thread streams its own slice:
+
+- A block holds `rows` output columns (rows of B), one warp a column: lane l reads 16 bytes of B's row
+  at K offset 8·l of each 256-element step (one 512-byte coalesced row segment a warp and step), and
+  the same 16 bytes of each of A's M rows (A is M·K·2 bytes: 8 KiB a row, served by L1).
+- `unroll` steps are unrolled, so that a thread has that many 16-byte loads of B in flight; M fp32
+  accumulators a thread, then the warp's sum by shuffles (TileLang's allreduce), lane 0 writes.
+
+The domain is said and refused outside it: M from 1 to 8 (A's M loads a step grow with it: past 8 the
+L1 traffic of A outweighs B's), K a multiple of 256 (no partial step), N a multiple of `rows`, 2-byte
+elements.
+"""
+# No `from __future__ import annotations` here: TileLang evaluates the prim_func annotations itself.
+
+from typing import Any
+
+LANES = 32  # a warp: the threads that split one column's K
+VEC = 8  # 2-byte elements a 16-byte load
+STEP = LANES * VEC  # K elements a warp reads of a column per step
+M_MAX = 8
+
+
+def check(m: int, n: int, k: int, layout: str, cfg: dict[str, Any]) -> None:
+    """Refuses a shape or config outside the kernel's domain, in one line."""
+    rows, unroll = int(cfg.get("rows", 4)), int(cfg.get("unroll", 4))
+    if layout != "nt":
+        raise ValueError(f"gemv: layout {layout!r}: only nt (A·Bᵀ, B's rows contiguous in K)")
+    if not 1 <= m <= M_MAX:
+        raise ValueError(f"gemv: M={m}: 1 to {M_MAX} rows (past it, use the tiled schedule)")
+    if k % STEP or n % rows:
+        raise ValueError(f"gemv: K={k}, N={n}: K a multiple of {STEP}, N of rows={rows}")
+    if rows not in (1, 2, 4, 8, 16, 32) or unroll < 1 or (k // STEP) % unroll:
+        raise ValueError(f"gemv: rows={rows}, unroll={unroll}: rows a power of 2 up to 32, unroll dividing {k // STEP}")
+
+
+def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]) -> Any:
+    """The TileLang prim_func for one static shape; `cfg`: rows (columns of C a block), unroll."""
+    import tilelang.language as T
+
+    check(m, n, k, layout, cfg)
+    rows, unroll = int(cfg.get("rows", 4)), int(cfg.get("unroll", 4))
+    acc = "float32"
+    steps = k // STEP
+
+    @T.prim_func
+    def main(
+        A: T.Tensor((m, k), dtype),  # type: ignore[valid-type]
+        B: T.Tensor((n, k), dtype),  # type: ignore[valid-type]
+        C: T.Tensor((m, n), dtype),  # type: ignore[valid-type]
+    ) -> None:
+        with T.Kernel(n // rows, threads=(LANES, rows)) as bx:
+            lane = T.get_thread_binding(0)
+            col = bx * rows + T.get_thread_binding(1)
+            a = T.alloc_local((VEC,), dtype)
+            b = T.alloc_local((unroll, VEC), dtype)
+            part = T.alloc_local((m,), acc)
+            total = T.alloc_local((1,), acc)  # the allreduce writes index 0 only
+            T.clear(part)
+            for so in T.serial(steps // unroll):
+                # Every load of B first (unroll x 16 bytes in flight), then the products.
+                for u in T.unroll(unroll):
+                    for v in T.vectorized(VEC):
+                        b[u, v] = B[col, (so * unroll + u) * STEP + lane * VEC + v]
+                for u in T.unroll(unroll):
+                    for i in T.unroll(m):
+                        for v in T.vectorized(VEC):
+                            a[v] = A[i, (so * unroll + u) * STEP + lane * VEC + v]
+                        for v in T.unroll(VEC):
+                            part[i] += a[v].astype(acc) * b[u, v].astype(acc)
+            for i in T.unroll(m):
+                with T.attr(
+                    T.comm_reducer(lambda x, y: x + y, [T.Cast(acc, 0)]),
+                    "reduce_scope",
+                    T.reinterpret(T.uint64(0), dtype="handle"),
+                ):
+                    T.evaluate(T.tvm_thread_allreduce(T.uint32(1), part[i], True, total[0], lane, dtype="handle"))
+                if lane == 0:
+                    C[i, col] = total[0]
+
+    return main

@@ -1,0 +1,114 @@
+"""kernels.gemm.gemv (issue 20's weight-streaming GEMM for a few rows): real compiles for sm_90a and
+sm_80 here (nvcc, ptxas: no spills), its domain refused in one line, the sm90 rules putting it exactly
+on the few-row nt cases, and on a GPU its values against a float64 product, the output poisoned first,
+through the public call as well as the kernel."""
+
+from __future__ import annotations
+
+import shutil
+from typing import Any
+
+import pytest
+import torch
+
+import kernels
+from kernels import _config
+from kernels.gemm import gemv
+
+SM90 = torch.cuda.is_available() and _config.device_for_capability(*torch.cuda.get_device_capability()) == "sm90"
+
+
+def _compile(prog: Any, arch: str) -> Any:
+    import tilelang
+
+    return tilelang.compile(prog, target={"kind": "cuda", "arch": arch})
+
+
+@pytest.mark.parametrize(
+    ("arch", "m", "n", "k", "cfg"),
+    [
+        ("sm_90a", 1, 4096, 4096, {"rows": 4, "unroll": 4}),
+        ("sm_90a", 8, 6144, 4096, {"rows": 8, "unroll": 2}),
+        ("sm_80", 1, 4096, 14336, {"rows": 2, "unroll": 8}),
+        ("sm_80", 4, 28672, 4096, {"rows": 4, "unroll": 4}),
+    ],
+)
+def test_compiles(arch: str, m: int, n: int, k: int, cfg: dict[str, int]) -> None:
+    if shutil.which("nvcc") is None:
+        pytest.fail("nvcc is not on PATH: compile-only checks need CUDA's nvcc (CUDA 13.0)")
+    src = _compile(gemv.program(m, n, k, "nt", "bfloat16", cfg), arch).get_kernel_source()
+    # 16-byte loads of B, `unroll` of them before the products; M accumulators; the warp's sum by shuffles.
+    assert "*(uint4*)(b + (u * 8)) = *(uint4*)(B + " in src, "B is read 16 bytes a load"
+    assert f"for (int u = 0; u < {cfg['unroll']}; ++u)" in src
+    assert f"float part[{m}];" in src and "__shfl_down_sync" in src
+    assert f"for (int so = 0; so < {k // gemv.STEP // cfg['unroll']}; ++so)" in src
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "layout", "cfg", "says"),
+    [
+        (9, 4096, 4096, "nt", {}, "M=9"),
+        (0, 4096, 4096, "nt", {}, "M=0"),
+        (1, 4096, 4000, "nt", {}, "K a multiple of 256"),
+        (1, 4098, 4096, "nt", {"rows": 4}, "N of rows=4"),
+        (1, 4096, 4096, "nn", {}, "only nt"),
+        (1, 4096, 4096, "nt", {"rows": 3}, "rows=3"),
+        (1, 4096, 4096, "nt", {"unroll": 3}, "unroll dividing 16"),
+    ],
+)
+def test_domain_is_refused_in_one_line(m: int, n: int, k: int, layout: str, cfg: dict[str, int], says: str) -> None:
+    with pytest.raises(ValueError, match="gemv") as exc:
+        gemv.program(m, n, k, layout, "bfloat16", cfg)
+    assert says in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_the_sm90_rules_put_it_exactly_on_its_domain() -> None:
+    """Every (m, n, k, layout) the rules give the gemv schedule is one gemv.check takes, and the
+    few-row nt projections get it; sm80 never does."""
+    gemm = kernels.operator_module("gemm")
+    picked = 0
+    for m in (1, 2, 8, 9, 16):
+        for n, k in ((4096, 4096), (6144, 4096), (4096, 14336), (4098, 4096), (4096, 4000)):
+            for layout in ("nt", "nn"):
+                f = gemm.facts(m, n, k, layout, "bfloat16")
+                ch = _config.choose("sm90", "gemm", f)
+                assert ch is not None
+                inside = m <= 8 and layout == "nt" and k % 256 == 0 and n % 4 == 0
+                assert (ch.config.get("schedule") == "gemv") == inside, f
+                if inside:
+                    gemv.check(m, n, k, layout, ch.config)  # no refusal
+                    picked += 1
+                ch80 = _config.choose("sm80", "gemm", f)
+                assert ch80 is not None and ch80.config.get("schedule", "auto") == "auto", f
+    assert picked == 3 * 3
+
+
+@pytest.mark.skipif(not SM90, reason="no sm90 GPU: the gemv schedule's values need one")
+@pytest.mark.parametrize(
+    ("m", "n", "k", "cfg"),
+    [
+        (1, 4096, 4096, {"rows": 4, "unroll": 4}),
+        (1, 4096, 14336, {"rows": 2, "unroll": 8}),
+        (3, 6144, 4096, {"rows": 8, "unroll": 2}),
+        (8, 1028, 512, {"rows": 4, "unroll": 1}),
+    ],
+)
+def test_values_against_float64(m: int, n: int, k: int, cfg: dict[str, int]) -> None:
+    import tilelang
+
+    g = torch.Generator(device="cuda").manual_seed(m * n)
+    a = torch.randn(m, k, generator=g, device="cuda").bfloat16()
+    b = (torch.randn(n, k, generator=g, device="cuda") * k**-0.5).bfloat16()
+    kernel = tilelang.compile(gemv.program(m, n, k, "nt", "bfloat16", cfg), target=_config.target("sm90"))
+    c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    kernel(a, b, c)
+    torch.cuda.synchronize()
+    exact = a.double() @ b.double().t()
+    assert torch.isfinite(c).all(), "an output was never written"
+    err = float((c.double() - exact).norm() / exact.norm())
+    assert err < 8e-3, err
+    # The public call with the kernel forced: the same values, no fallback.
+    kernels.clear_fallback_reasons()
+    with kernels.use_backend("tilelang"):
+        got = kernels.gemm(a, b, trans_b=True)
+    assert kernels.fallback_reasons("gemm") == {} and torch.equal(got, c)
