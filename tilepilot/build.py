@@ -31,7 +31,6 @@ from typing import Any
 
 from tilepilot import registry
 from tilepilot.cases import Case
-from tilepilot.operator import SourceCheck
 
 
 def build_args(case: Case) -> dict[str, Any]:
@@ -49,9 +48,10 @@ def compile_case(case: Case, device: str) -> Any:
     return registry.of(case).build(case, device)
 
 
-def inspect_source(src: str, arch: str, case: Case) -> dict[str, Any]:
-    """The operator's checks of the generated device source for this arch (wgmma on sm_90a, ...)."""
-    rules = registry.of(case).source_checks.get(arch, SourceCheck())
+def inspect_source(src: str, arch: str, case: Case, config: dict[str, Any]) -> dict[str, Any]:
+    """The operator's checks of the generated device source for this arch and config (wgmma on
+    sm_90a, ...)."""
+    rules = registry.of(case).source_check(arch, config)
     missing = [w for w in rules.must if w not in src]
     present = [w for w in rules.must_not if w in src]
     return {
@@ -226,7 +226,7 @@ def _cold(case: Case, device: str, cache_dir: str, diag_dir: str | None) -> dict
         return out
     out["cold_s"] = time.perf_counter() - t0
     src = kernel.get_kernel_source()
-    out["inspect"] = {**inspect_source(src, arch, case), **binary_digest(Path(cache_dir))}
+    out["inspect"] = {**inspect_source(src, arch, case, ch.config), **binary_digest(Path(cache_dir))}
     out["source"] = src  # build_all keeps it in the run's sources, not in build.json
     out["status"] = "ok" if out["inspect"]["ok"] else "check-failed"
     return out

@@ -173,6 +173,11 @@ class Operator:
     source_checks: ClassVar[dict[str, SourceCheck]] = TENSOR_CORE_CHECKS
     shrink_order: ClassVar[tuple[str, ...]]  # the reproducer bisects these, outermost first
 
+    def source_check(self, arch: str, config: dict[str, Any]) -> SourceCheck:
+        """What the device source of this arch and pinned config must and must not hold (default:
+        `source_checks`; an operator with a schedule of another kind says what that one holds)."""
+        return self.source_checks.get(arch, SourceCheck())
+
     # -- the matrix ---------------------------------------------------------------------------
     def check_shape(self, dims: dict[str, int]) -> str | None:
         """Why a shape cannot be a case of this operator (beyond its keys), or None."""
