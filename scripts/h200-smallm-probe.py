@@ -59,8 +59,8 @@ def gemv_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
     from kernels.gemm import gemv
 
     out: list[dict[str, Any]] = []
-    for rows, unroll in itertools.product((4, 8), (2, 4, 8)):
-        cfg = {"schedule": "gemv", "rows": rows, "unroll": unroll}
+    for rows, cols, unroll in itertools.product((4, 8), (1, 2, 4), (2, 4, 8)):
+        cfg = {"schedule": "gemv", "rows": rows, "cols": cols, "unroll": unroll}
         try:
             gemv.check(m, n, k, "nt", cfg)
         except ValueError:

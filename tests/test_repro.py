@@ -148,3 +148,18 @@ def test_every_operator_writes_a_reproducer_that_builds_its_kernel(case_id: str,
     proc = _run(out / "repro.py")
     want = (0, "not reproduced") if GPU else (2, "needs a CUDA GPU")
     assert proc.returncode == want[0] and want[1] in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_runtime_failure_never_reproduces_as_a_refused_compile(tmp_path: Path) -> None:
+    """A wrong-values reproducer whose kernel does not build at its shape (a schedule refusing the
+    shape, as the gemv one does below K 1024 when the shrink gets there) says it cannot run (2): the
+    shrink must not take a refusal for the wrong values it chases (a review of 79df5c8)."""
+    case = next(c for c in cases.expand(matrix.load()) if c.id == "gemm/llama8b-o-m1/float16/nt")
+    cfg = {"schedule": "gemv", "rows": 3, "unroll": 4}  # rows 3: refused by kernels.gemm.gemv.check
+    script = tmp_path / "repro.py"
+    script.write_text(repro.render(case, "sm90", "wrong", case.dims, cfg, 0), encoding="utf-8")
+    proc = _run(script)
+    assert proc.returncode == 2 and "cannot run" in proc.stdout and "REPRODUCED" not in proc.stdout, proc.stdout
+    script.write_text(repro.render(case, "sm90", "compile", case.dims, cfg, 0), encoding="utf-8")
+    proc = _run(script)
+    assert proc.returncode == 1 and "REPRODUCED: the compile fails" in proc.stdout, proc.stdout

@@ -109,6 +109,7 @@ import torch
 import tilelang
 
 LOG2E = 1.44269504
+KIND = {kind!r}
 DIMS = {dims!r}
 DTYPE = {dtype!r}
 VARIANT = {variant!r}
@@ -125,6 +126,9 @@ def main() -> int:
         kernel = tilelang.compile(build(), target=TARGET)
     except Exception:
         traceback.print_exc()
+        if KIND != "compile":  # a shape the schedule refuses is not the runtime failure being chased
+            print("cannot run: the kernel's program does not build here (above), so the failure is not checked")
+            return 2
         print("REPRODUCED: the compile fails")
         return 1
     if not torch.cuda.is_available():

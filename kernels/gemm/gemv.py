@@ -12,9 +12,13 @@ cuBLAS reads the weight at 48-56% of the copy ceiling on o and qkv (H100, docs/p
   the same 16 bytes of each of A's M rows (A is M·K·2 bytes: 8 KiB a row, served by L1).
 - `unroll` steps are unrolled, so that a thread has that many 16-byte loads of B in flight; M fp32
   accumulators a thread, then the warp's sum by shuffles (TileLang's allreduce), lane 0 writes.
+- `cols` columns a warp (knob, default 1): cols x unroll loads of B in flight a thread, and each load
+  of A serves cols columns. The H200 pilot of 79df5c8 (cols 1) read o's weight at 50% of the copy
+  ceiling: too few bytes in flight a thread, the guess this knob tests. A column's sum runs over
+  the same steps in the same order whatever rows, cols and unroll are: the same values, bit for bit.
 
 The domain is said and refused outside it: M from 1 to 8 (A's M loads a step grow with it: past 8 the
-L1 traffic of A outweighs B's), K a multiple of 256 (no partial step), N a multiple of `rows`, 2-byte
+L1 traffic of A outweighs B's), K a multiple of 256 (no partial step), N a multiple of rows x cols, 2-byte
 elements.
 """
 # No `from __future__ import annotations` here: TileLang evaluates the prim_func annotations itself.
@@ -29,23 +33,27 @@ M_MAX = 8
 
 def check(m: int, n: int, k: int, layout: str, cfg: dict[str, Any]) -> None:
     """Refuses a shape or config outside the kernel's domain, in one line."""
-    rows, unroll = int(cfg.get("rows", 4)), int(cfg.get("unroll", 4))
+    rows, unroll, cols = int(cfg.get("rows", 4)), int(cfg.get("unroll", 4)), int(cfg.get("cols", 1))
     if layout != "nt":
         raise ValueError(f"gemv: layout {layout!r}: only nt (A·Bᵀ, B's rows contiguous in K)")
     if not 1 <= m <= M_MAX:
         raise ValueError(f"gemv: M={m}: 1 to {M_MAX} rows (past it, use the tiled schedule)")
-    if k % STEP or n % rows:
-        raise ValueError(f"gemv: K={k}, N={n}: K a multiple of {STEP}, N of rows={rows}")
+    if cols not in (1, 2, 4):
+        raise ValueError(f"gemv: cols={cols}: 1, 2 or 4 columns a warp")
+    if k % STEP:
+        raise ValueError(f"gemv: K={k}: K a multiple of {STEP} (no partial step)")
     if rows not in (1, 2, 4, 8, 16, 32) or unroll < 1 or (k // STEP) % unroll:
         raise ValueError(f"gemv: rows={rows}, unroll={unroll}: rows a power of 2 up to 32, unroll dividing {k // STEP}")
+    if n % (rows * cols):
+        raise ValueError(f"gemv: N={n}: N of rows*cols={rows * cols} (no partial block)")
 
 
 def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]) -> Any:
-    """The TileLang prim_func for one static shape; `cfg`: rows (columns of C a block), unroll."""
+    """The TileLang prim_func for one static shape; `cfg`: rows (warps a block), unroll, cols."""
     import tilelang.language as T
 
     check(m, n, k, layout, cfg)
-    rows, unroll = int(cfg.get("rows", 4)), int(cfg.get("unroll", 4))
+    rows, unroll, cols = int(cfg.get("rows", 4)), int(cfg.get("unroll", 4)), int(cfg.get("cols", 1))
     acc = "float32"
     steps = k // STEP
 
@@ -55,33 +63,38 @@ def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]
         B: T.Tensor((n, k), dtype),  # type: ignore[valid-type]
         C: T.Tensor((m, n), dtype),  # type: ignore[valid-type]
     ) -> None:
-        with T.Kernel(n // rows, threads=(LANES, rows)) as bx:
+        with T.Kernel(n // (rows * cols), threads=(LANES, rows)) as bx:
             lane = T.get_thread_binding(0)
-            col = bx * rows + T.get_thread_binding(1)
+            col0 = (bx * rows + T.get_thread_binding(1)) * cols  # this warp's first column
             a = T.alloc_local((VEC,), dtype)
-            b = T.alloc_local((unroll, VEC), dtype)
-            part = T.alloc_local((m,), acc)
+            b = T.alloc_local((cols, unroll, VEC), dtype)
+            part = T.alloc_local((cols * m,), acc)  # column c, row i at c * m + i
             total = T.alloc_local((1,), acc)  # the allreduce writes index 0 only
             T.clear(part)
             for so in T.serial(steps // unroll):
-                # Every load of B first (unroll x 16 bytes in flight), then the products.
-                for u in T.unroll(unroll):
-                    for v in T.vectorized(VEC):
-                        b[u, v] = B[col, (so * unroll + u) * STEP + lane * VEC + v]
+                # Every load of B first (cols x unroll x 16 bytes in flight), then the products.
+                for c in T.unroll(cols):
+                    for u in T.unroll(unroll):
+                        for v in T.vectorized(VEC):
+                            b[c, u, v] = B[col0 + c, (so * unroll + u) * STEP + lane * VEC + v]
                 for u in T.unroll(unroll):
                     for i in T.unroll(m):
                         for v in T.vectorized(VEC):
                             a[v] = A[i, (so * unroll + u) * STEP + lane * VEC + v]
-                        for v in T.unroll(VEC):
-                            part[i] += a[v].astype(acc) * b[u, v].astype(acc)
-            for i in T.unroll(m):
-                with T.attr(
-                    T.comm_reducer(lambda x, y: x + y, [T.Cast(acc, 0)]),
-                    "reduce_scope",
-                    T.reinterpret(T.uint64(0), dtype="handle"),
-                ):
-                    T.evaluate(T.tvm_thread_allreduce(T.uint32(1), part[i], True, total[0], lane, dtype="handle"))
-                if lane == 0:
-                    C[i, col] = total[0]
+                        for c in T.unroll(cols):
+                            for v in T.unroll(VEC):
+                                part[c * m + i] += a[v].astype(acc) * b[c, u, v].astype(acc)
+            for c in T.unroll(cols):
+                for i in T.unroll(m):
+                    with T.attr(
+                        T.comm_reducer(lambda x, y: x + y, [T.Cast(acc, 0)]),
+                        "reduce_scope",
+                        T.reinterpret(T.uint64(0), dtype="handle"),
+                    ):
+                        T.evaluate(
+                            T.tvm_thread_allreduce(T.uint32(1), part[c * m + i], True, total[0], lane, dtype="handle")
+                        )
+                    if lane == 0:
+                        C[i, col0 + c] = total[0]
 
     return main

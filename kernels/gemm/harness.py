@@ -22,7 +22,8 @@ class Gemm(Operator):
     shrink_order = ("m", "n", "k")
     # The gemv schedule (a few rows, kernels/gemm/gemv.py) streams the weight through the CUDA cores:
     # 16-byte loads and the warp's sum by shuffles, and no tensor-core instruction on any arch.
-    gemv_check = SourceCheck(must=("uint4", "__shfl_down_sync"), must_not=("wgmma", "mma"))
+    # The calls, not the word: an include of TileLang's mma header would hold "mma" and run nothing.
+    gemv_check = SourceCheck(must=("uint4", "__shfl_down_sync"), must_not=("wgmma", "mma_sync", "mma_sp_sync"))
 
     def source_check(self, arch: str, config: dict[str, Any]) -> SourceCheck:
         return self.gemv_check if config.get("schedule") == "gemv" else super().source_check(arch, config)
