@@ -4,7 +4,8 @@ bandwidth against the run's measured copy ceiling. For choosing sm90's small-M r
 `--swiglu` sweeps the fused gate-up + SiLU·mul kernel the same way, against the eager MLP op and the
 same op under torch.compile (default mode). `--split-k 2,4,8` adds kernels.gemm.splitk's configs (fp32
 partials over split_k K ranges, then one reduction kernel; both timed as one op) for the GEMM shapes.
-`--gemv` sweeps kernels.gemm.gemv's weight-streaming schedule (M <= 8) instead of the tiled configs.
+`--gemv` sweeps kernels.gemm.gemv's weight-streaming schedule (M <= 8) instead of the tiled configs,
+for the GEMMs and (with `--swiglu`) its SwiGLU form.
 
     PYTHONPATH=$PWD:<site> python3 scripts/h200-smallm-probe.py OUT.json [--m 1,16,64] [--workers 16] [--swiglu]
         [--split-k 2,4,8] [--gemv]
@@ -55,11 +56,11 @@ def splitk_configs(splits: list[int], k: int) -> list[dict[str, int]]:
     return out
 
 
-def gemv_configs(m: int, n: int, k: int) -> list[dict[str, Any]]:
+def gemv_configs(m: int, n: int, k: int, cols_set: tuple[int, ...] = (1, 2, 4)) -> list[dict[str, Any]]:
     from kernels.gemm import gemv
 
     out: list[dict[str, Any]] = []
-    for rows, cols, unroll in itertools.product((4, 8), (1, 2, 4), (2, 4, 8)):
+    for rows, cols, unroll in itertools.product((4, 8), cols_set, (2, 4, 8)):
         cfg = {"schedule": "gemv", "rows": rows, "cols": cols, "unroll": unroll}
         try:
             gemv.check(m, n, k, "nt", cfg)
@@ -135,8 +136,8 @@ def main() -> int:
     splits = [int(x) for x in args.split_k.split(",") if x.strip()]
 
     def sweep(m: int, n: int, lay: str, k: int) -> list[dict[str, Any]]:
-        if lay == "swiglu":
-            return list(swiglu_configs())
+        if lay == "swiglu":  # with --gemv, the schedule's SwiGLU form (gate and up rows a column)
+            return gemv_configs(m, n, k, (1, 2)) if args.gemv else list(swiglu_configs())
         if args.gemv:
             return gemv_configs(m, n, k) if lay == "nt" else []
         return [*configs(), *(splitk_configs(splits, k) if lay == "nt" else [])]

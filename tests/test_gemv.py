@@ -134,3 +134,97 @@ def test_values_against_float64(m: int, n: int, k: int, cfg: dict[str, int]) -> 
             err = float((got.double() - exact).norm() / exact.norm())
             assert err < 8e-3, err
     assert kernels.fallback_reasons("gemm") == {}
+
+
+# -- the same schedule for kernels.swiglu: both halves of the stacked weight, silu(gate)·up ------------
+swiglu_mod = kernels.operator_module("swiglu")
+
+
+@pytest.mark.parametrize(
+    ("arch", "m", "hidden", "inter", "cfg"),
+    [
+        ("sm_90a", 1, 4096, 14336, {"rows": 4, "unroll": 4}),
+        ("sm_80", 8, 4096, 14336, {"rows": 8, "unroll": 2, "cols": 2}),
+    ],
+)
+def test_swiglu_compiles(arch: str, m: int, hidden: int, inter: int, cfg: dict[str, int]) -> None:
+    if shutil.which("nvcc") is None:
+        pytest.fail("nvcc is not on PATH: compile-only checks need CUDA's nvcc (CUDA 13.0)")
+    src = _compile(swiglu_mod.program(m, hidden, inter, "bfloat16", {"schedule": "gemv", **cfg}), arch)
+    src = src.get_kernel_source()
+    cols = cfg.get("cols", 1)
+    # Gate and up rows of each column in flight together (2 x cols rows of B), one fp32 sum each and
+    # row, both reduced before the one write of silu(gate)·up.
+    assert f"float part[{2 * cols * m}];" in src and f"for (int r = 0; r < {2 * cols}; ++r)" in src
+    assert f"(r >> 1) * {inter * hidden}" in src or f"* {inter * hidden})" in src, "the up half is not read"
+    assert "float sums[2];" in src and "expf(" in src and "__shfl_down_sync" in src
+    assert not any(w in src for w in ("wgmma", "mma_sync")), "the gemv schedule uses no tensor cores"
+
+
+def test_swiglu_domain_is_refused_in_one_line() -> None:
+    for m, hidden, inter, cfg, says in (
+        (9, 4096, 14336, {}, "M=9"),
+        (1, 1000, 14336, {}, "K=1000"),
+        (1, 4096, 14338, {"rows": 4}, "N=14338"),
+    ):
+        with pytest.raises(ValueError, match="gemv") as exc:
+            swiglu_mod.program(m, hidden, inter, "bfloat16", {"schedule": "gemv", **cfg})
+        assert says in str(exc.value) and "\n" not in str(exc.value)
+    with pytest.raises(ValueError, match="schedule 'nope'"):
+        swiglu_mod.program(1, 4096, 14336, "bfloat16", {"schedule": "nope"})
+    with pytest.raises(ValueError, match="no tune space"):
+        swiglu_mod.tunable(1, 4096, 14336, "bfloat16", {"schedule": "gemv"})
+
+
+def test_the_sm90_swiglu_rules_put_it_exactly_on_its_domain() -> None:
+    picked = 0
+    for m in (1, 3, 8, 9, 16):
+        for hidden, inter in ((4096, 14336), (1000, 777), (512, 1000), (4096, 14338)):
+            f = swiglu_mod.facts(m, hidden, inter, "bfloat16")
+            ch = _config.choose("sm90", "swiglu", f)
+            assert ch is not None
+            inside = m <= 8 and hidden % 1024 == 0 and inter % 4 == 0
+            assert (ch.config.get("schedule") == "gemv") == inside, f
+            if inside:
+                gemv.check(m, inter, hidden, "nt", ch.config)
+                picked += 1
+            ch80 = _config.choose("sm80", "swiglu", f)
+            assert ch80 is not None and ch80.config.get("schedule", "auto") == "auto", f
+    assert picked == 3
+
+
+@pytest.mark.skipif(not SM90, reason="no sm90 GPU: the gemv schedule's values need one")
+@pytest.mark.parametrize(
+    ("m", "hidden", "inter", "cfg"),
+    [
+        (1, 4096, 14336, {"rows": 4, "unroll": 4}),
+        (3, 1024, 1000, {"rows": 2, "unroll": 2, "cols": 2}),
+        (8, 2048, 512, {"rows": 4, "unroll": 8, "cols": 4}),
+    ],
+)
+def test_swiglu_values_against_float64(m: int, hidden: int, inter: int, cfg: dict[str, int]) -> None:
+    import tilelang
+
+    g = torch.Generator(device="cuda").manual_seed(m * inter)
+    x = torch.randn(m, hidden, generator=g, device="cuda").bfloat16()
+    w = (torch.randn(2 * inter, hidden, generator=g, device="cuda") * hidden**-0.5).bfloat16()
+    prog = swiglu_mod.program(m, hidden, inter, "bfloat16", {"schedule": "gemv", **cfg})
+    kernel = tilelang.compile(prog, target=_config.target("sm90"))
+    out = torch.full((m, inter), float("nan"), device="cuda", dtype=torch.bfloat16)
+    kernel(x, w, out)
+    torch.cuda.synchronize()
+    gu = x.double() @ w.double().t()
+    exact = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+    assert torch.isfinite(out).all(), "an output was never written"
+    err = float((out.double() - exact).norm() / exact.norm())
+    assert err < 8e-3, err
+    # The public call where the sm90 rules give the schedule, twice (the replay): no fallback.
+    if hidden % 1024 or inter % 4:
+        return
+    kernels.clear_fallback_reasons()
+    with kernels.use_backend("tilelang"):
+        for _ in range(2):
+            got = kernels.swiglu(x, w)
+            err = float((got.double() - exact).norm() / exact.norm())
+            assert err < 8e-3, err
+    assert kernels.fallback_reasons("swiglu") == {}

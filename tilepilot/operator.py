@@ -132,6 +132,10 @@ class SourceCheck:
 
 # Tensor-core kernels: wgmma on Hopper (sm_90a), Ampere's mma.sync and no wgmma on sm_80.
 TENSOR_CORE_CHECKS = {"sm_90a": SourceCheck(must=("wgmma",)), "sm_80": SourceCheck(must=("mma",), must_not=("wgmma",))}
+# The weight-streaming schedule (kernels/gemm/gemv.py; GEMM's and SwiGLU's few rows) reads B by
+# 16-byte loads and sums a column by shuffles, with no tensor-core instruction on any arch. The calls,
+# not the word: an include of TileLang's mma header would hold "mma" and run nothing.
+STREAMING_CHECK = SourceCheck(must=("uint4", "__shfl_down_sync"), must_not=("wgmma", "mma_sync", "mma_sp_sync"))
 
 
 @dataclass(frozen=True)

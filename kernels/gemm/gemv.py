@@ -17,6 +17,10 @@ cuBLAS reads the weight at 48-56% of the copy ceiling on o and qkv (H100, docs/p
   ceiling: too few bytes in flight a thread, the guess this knob tests. A column's sum runs over
   the same steps in the same order whatever rows, cols and unroll are: the same values, bit for bit.
 
+kernels.swiglu takes the same schedule at a few rows (`swiglu_program`): a warp streams its column's
+gate row and up row of the stacked weight together and writes silu(gate)·up, so that the (m, 2·inter)
+projection is never stored and no second kernel reads it back.
+
 The domain is said and refused outside it: M from 1 to 8 (A's M loads a step grow with it: past 8 the
 L1 traffic of A outweighs B's), K a multiple of 256 (no partial step), N a multiple of rows x cols, 2-byte
 elements.
@@ -49,52 +53,78 @@ def check(m: int, n: int, k: int, layout: str, cfg: dict[str, Any]) -> None:
 
 
 def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]) -> Any:
-    """The TileLang prim_func for one static shape; `cfg`: rows (warps a block), unroll, cols."""
+    """The TileLang prim_func of C = A·Bᵀ for one static shape; `cfg`: rows (warps a block), unroll, cols."""
+    check(m, n, k, layout, cfg)
+    return _streaming(m, n, k, dtype, cfg, gated=False)
+
+
+def swiglu_program(m: int, hidden: int, inter: int, dtype: str, cfg: dict[str, Any]) -> Any:
+    """The same schedule for kernels.swiglu: out = silu(x·W_gateᵀ) * (x·W_upᵀ) with W = [W_gate; W_up]
+    (2·inter, hidden). A warp streams its column's gate row and up row together (twice the bytes in
+    flight a thread) and writes silu(gate)·up once: the (m, 2·inter) projection is never stored."""
+    check(m, inter, hidden, "nt", cfg)
+    return _streaming(m, inter, hidden, dtype, cfg, gated=True)
+
+
+def _streaming(m: int, n: int, k: int, dtype: str, cfg: dict[str, Any], gated: bool) -> Any:
+    """C (m, n) from A (m, k) and B: (n, k) rows, or with `gated` (2n, k) rows, row j's gate and
+    row n + j's up feeding column j through silu(gate)·up."""
     import tilelang.language as T
 
-    check(m, n, k, layout, cfg)
     rows, unroll, cols = int(cfg.get("rows", 4)), int(cfg.get("unroll", 4)), int(cfg.get("cols", 1))
     acc = "float32"
     steps = k // STEP
+    halves = 2 if gated else 1  # B's rows a column of C reads: (gate, up), or the one row
 
     @T.prim_func
     def main(
         A: T.Tensor((m, k), dtype),  # type: ignore[valid-type]
-        B: T.Tensor((n, k), dtype),  # type: ignore[valid-type]
+        B: T.Tensor((halves * n, k), dtype),  # type: ignore[valid-type]
         C: T.Tensor((m, n), dtype),  # type: ignore[valid-type]
     ) -> None:
         with T.Kernel(n // (rows * cols), threads=(LANES, rows)) as bx:
             lane = T.get_thread_binding(0)
             col0 = (bx * rows + T.get_thread_binding(1)) * cols  # this warp's first column
             a = T.alloc_local((VEC,), dtype)
-            b = T.alloc_local((cols, unroll, VEC), dtype)
-            part = T.alloc_local((cols * m,), acc)  # column c, row i at c * m + i
+            b = T.alloc_local((halves * cols, unroll, VEC), dtype)  # B row h * n + col0 + c at h * cols + c
+            part = T.alloc_local((halves * cols * m,), acc)  # that row's sum for A's row i at (h * cols + c) * m + i
             total = T.alloc_local((1,), acc)  # the allreduce writes index 0 only
+            # Its result is read in the allreduce's own scope (the lowering's buffer lives there
+            # only), so each half's sum is kept here for the write.
+            sums = T.alloc_local((halves,), acc)
             T.clear(part)
             for so in T.serial(steps // unroll):
-                # Every load of B first (cols x unroll x 16 bytes in flight), then the products.
-                for c in T.unroll(cols):
+                # Every load of B first (halves x cols x unroll x 16 bytes in flight), then the products.
+                for r in T.unroll(halves * cols):
                     for u in T.unroll(unroll):
                         for v in T.vectorized(VEC):
-                            b[c, u, v] = B[col0 + c, (so * unroll + u) * STEP + lane * VEC + v]
+                            b[r, u, v] = B[(r // cols) * n + col0 + r % cols, (so * unroll + u) * STEP + lane * VEC + v]
                 for u in T.unroll(unroll):
                     for i in T.unroll(m):
                         for v in T.vectorized(VEC):
                             a[v] = A[i, (so * unroll + u) * STEP + lane * VEC + v]
-                        for c in T.unroll(cols):
+                        for r in T.unroll(halves * cols):
                             for v in T.unroll(VEC):
-                                part[c * m + i] += a[v].astype(acc) * b[c, u, v].astype(acc)
+                                part[r * m + i] += a[v].astype(acc) * b[r, u, v].astype(acc)
             for c in T.unroll(cols):
                 for i in T.unroll(m):
-                    with T.attr(
-                        T.comm_reducer(lambda x, y: x + y, [T.Cast(acc, 0)]),
-                        "reduce_scope",
-                        T.reinterpret(T.uint64(0), dtype="handle"),
-                    ):
-                        T.evaluate(
-                            T.tvm_thread_allreduce(T.uint32(1), part[c * m + i], True, total[0], lane, dtype="handle")
-                        )
+                    for h in T.unroll(halves):
+                        with T.attr(
+                            T.comm_reducer(lambda x, y: x + y, [T.Cast(acc, 0)]),
+                            "reduce_scope",
+                            T.reinterpret(T.uint64(0), dtype="handle"),
+                        ):
+                            T.evaluate(
+                                T.tvm_thread_allreduce(
+                                    T.uint32(1), part[(h * cols + c) * m + i], True, total[0], lane, dtype="handle"
+                                )
+                            )
+                        sums[h] = total[0]
                     if lane == 0:
-                        C[i, col0 + c] = total[0]
+                        if gated:  # a Python constant: one branch survives the parse
+                            # silu(gate)·up in fp32, rounded once (as kernels.swiglu's tiled epilogue).
+                            C[i, col0 + c] = sums[0] / (1.0 + T.exp(-sums[0])) * sums[1]
+                        else:
+                            C[i, col0 + c] = sums[0]
 
     return main

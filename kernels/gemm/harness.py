@@ -7,7 +7,16 @@ from collections.abc import Callable
 from typing import Any
 
 from tilepilot import registry
-from tilepilot.operator import Case, Framework, Operator, Probe, SourceCheck, Tolerance, probe_tensor
+from tilepilot.operator import (
+    STREAMING_CHECK,
+    Case,
+    Framework,
+    Operator,
+    Probe,
+    SourceCheck,
+    Tolerance,
+    probe_tensor,
+)
 
 _DT = {"float16": "float16", "bfloat16": "bfloat16"}
 
@@ -20,13 +29,10 @@ class Gemm(Operator):
     variant = "layout"
     variants = ("nt", "nn")
     shrink_order = ("m", "n", "k")
-    # The gemv schedule (a few rows, kernels/gemm/gemv.py) streams the weight through the CUDA cores:
-    # 16-byte loads and the warp's sum by shuffles, and no tensor-core instruction on any arch.
-    # The calls, not the word: an include of TileLang's mma header would hold "mma" and run nothing.
-    gemv_check = SourceCheck(must=("uint4", "__shfl_down_sync"), must_not=("wgmma", "mma_sync", "mma_sp_sync"))
 
     def source_check(self, arch: str, config: dict[str, Any]) -> SourceCheck:
-        return self.gemv_check if config.get("schedule") == "gemv" else super().source_check(arch, config)
+        # The gemv schedule (a few rows) streams the weight through the CUDA cores.
+        return STREAMING_CHECK if config.get("schedule") == "gemv" else super().source_check(arch, config)
 
     def build_args(self, case: Case) -> dict[str, Any]:
         d = case.dims

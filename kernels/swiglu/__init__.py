@@ -17,7 +17,15 @@ DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def program(m: int, hidden: int, inter: int, dtype: str, cfg: dict[str, Any]) -> Any:
-    """The TileLang prim_func for one static shape; `cfg` holds tile sizes, stages and threads."""
+    """The TileLang prim_func for one static shape; `cfg` holds tile sizes, stages and threads, or
+    `schedule = "gemv"` and that schedule's knobs (kernels/gemm/gemv.py: a few rows, both halves of
+    the weight streamed, silu(gate)·up as each column's sums land)."""
+    if (schedule := cfg.get("schedule", "auto")) == "gemv":
+        from kernels.gemm import gemv
+
+        return gemv.swiglu_program(m, hidden, inter, dtype, cfg)
+    if schedule != "auto":
+        raise ValueError(f"swiglu: schedule {schedule!r} is 'auto' (the tiled kernel) or 'gemv'")
     import tilelang.language as T
 
     bm, bn, bk = cfg["block_M"], cfg["block_N"], cfg["block_K"]
@@ -56,6 +64,8 @@ def program(m: int, hidden: int, inter: int, dtype: str, cfg: dict[str, Any]) ->
 
 def tunable(m: int, hidden: int, inter: int, dtype: str, base: dict[str, Any]) -> Callable[..., Any]:
     """The program as TileLang's AutoTuner takes it: the knobs as keyword parameters (defaults: `base`)."""
+    if base.get("schedule", "auto") != "auto":  # tilepilot.tune skips these cases first
+        raise ValueError(f"swiglu: the {base['schedule']} schedule has no tune space here; its rule pins it")
     knobs = {key: int(base[key]) for key in ("block_M", "block_N", "block_K", "num_stages", "threads")}
 
     def fn(
