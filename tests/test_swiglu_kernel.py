@@ -100,13 +100,17 @@ def test_mismatched_shapes_are_one_clear_error() -> None:
         kernels.swiglu(x, w[:63].contiguous())  # an odd number of rows has no two halves
 
 
-def test_rules_ship_nothing_unmeasured() -> None:
-    # Until the H200 has measured it, both devices keep the framework op, with the reason said;
-    # forcing TileLang picks the small-M schedule at decode sizes.
+def test_rules_ship_only_the_one_row_schedule() -> None:
+    # sm90 ships the gemv schedule at one row; elsewhere both devices keep the framework op, with the
+    # reason said; forcing TileLang picks the small-M schedule at decode sizes.
     for dev in ("sm90", "sm80"):
-        for m in (1, 64, 4096):
+        for m in (1, 2, 64, 4096):
             kept = _config.choose(dev, "swiglu", swiglu.facts(m, 4096, 14336, "bfloat16"))
-            assert kept is not None and kept.backend == "framework" and kept.reason
+            assert kept is not None
+            if dev == "sm90" and m == 1:
+                assert kept.backend == "tilelang" and kept.config["schedule"] == "gemv"
+            else:
+                assert kept.backend == "framework" and kept.reason
     with kernels.use_backend("tilelang"):
         small = _config.choose("sm90", "swiglu", swiglu.facts(16, 4096, 14336, "bfloat16"))
     assert small is not None and small.backend == "tilelang"
