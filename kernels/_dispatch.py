@@ -20,6 +20,12 @@ class CompileFailed(RuntimeError):
     """TileLang could not build the kernel (lowering, codegen or nvcc); memoized per key."""
 
 
+class Unaligned(ValueError):
+    """A tensor's data is not 16-byte aligned: the kernels' 16-byte loads (and TMA) would fault, and
+    a misaligned-address fault is sticky (the CUDA context is lost, no fallback could run after it).
+    Checked before every launch: a contiguous view may start at any element."""
+
+
 _built: dict[tuple[Any, ...], Any] = {}
 _failed: dict[tuple[Any, ...], str] = {}
 _failing: contextvars.ContextVar[str | None] = contextvars.ContextVar("kernels_failing_compiles", default=None)
@@ -165,6 +171,8 @@ def _kernel_fire(op: str, run: Fire, framework: Fire) -> Fire:
     def fire(*args: Any) -> torch.Tensor:
         try:
             return run(*args)
+        except Unaligned as exc:
+            reason = str(exc)
         except Exception as exc:  # as the full path: a CUDA error, bad arguments
             reason = _kernel_failed(exc)
         _fallback.record(op, reason)
@@ -177,6 +185,9 @@ def _kernel_failed(exc: Exception) -> str:
     return f"kernel failed: {type(exc).__name__}: {str(exc).strip()[:200]}"
 
 
+UNALIGNED = "unsupported alignment: a tensor's data is not 16-byte aligned"
+
+
 def matrix_launcher(build: Callable[[dict[str, Any], str], Any], rows: int, cols: int) -> Launcher:
     """The launch of a kernel(a, b, c) that writes a (rows, cols) matrix C of a's dtype and device
     (GEMM, SwiGLU): `build(config, device)` compiles or fetches it."""
@@ -185,6 +196,8 @@ def matrix_launcher(build: Callable[[dict[str, Any], str], Any], rows: int, cols
         kernel = build(cfg, dev)
 
         def fire(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+            if (a.data_ptr() | b.data_ptr() | (0 if out is None else out.data_ptr())) % 16:
+                raise Unaligned(UNALIGNED)
             c = torch.empty((rows, cols), dtype=a.dtype, device=a.device) if out is None else out
             kernel(a, b, c)
             return c
@@ -279,6 +292,9 @@ def run_or_fallback(
                     result = run(*args, out=out)
                 except CompileFailed as exc:
                     reason = f"compile failed: {exc}"  # memoized by compile_kernel: kept
+                except Unaligned as exc:  # this call's pointers: the next call may be aligned
+                    reason = str(exc)
+                    replay = None
                 except Exception as exc:  # the launch itself: bad arguments, a CUDA error
                     reason = _kernel_failed(exc)
                     replay = None

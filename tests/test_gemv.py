@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import _config
+from kernels import _config, _dispatch
 from kernels.gemm import gemv
 
 SM90 = torch.cuda.is_available() and _config.device_for_capability(*torch.cuda.get_device_capability()) == "sm90"
@@ -229,3 +229,42 @@ def test_swiglu_values_against_float64(m: int, hidden: int, inter: int, cfg: dic
             err = float((got.double() - exact).norm() / exact.norm())
             assert err < 8e-3, err
     assert kernels.fallback_reasons("swiglu") == {}
+
+
+def test_an_unaligned_view_falls_back_before_any_launch() -> None:
+    """A contiguous view may start at any element: the 16-byte loads would fault (a sticky CUDA
+    error: no fallback after it), so every launch checks its pointers first. Here on the CPU the
+    real kernel is built and never launched: the check comes first, the framework op answers, the
+    reason is said, and the decision is not kept (the next call's pointers may be aligned)."""
+    gemm = kernels.operator_module("gemm")
+    m, n, k = 1, 128, 1024
+    buf = torch.randn(m * k + 1).bfloat16()
+    a = buf[1:].view(m, k)  # 2 bytes past an aligned start
+    b = torch.randn(n, k).bfloat16()
+    assert a.is_contiguous() and a.data_ptr() % 16
+    facts = gemm.facts(m, n, k, "nt", "bfloat16")
+    replay = _dispatch.Replay(("unaligned-test",), lambda x, w: torch.matmul(x, w.t()))
+    kernels.clear_fallback_reasons()
+    with kernels.use_backend("tilelang"):
+        launcher = gemm._launcher(m, n, k, "nt", "bfloat16")
+        framework = lambda: torch.matmul(a, b.t())  # noqa: E731
+        got = _dispatch.run_or_fallback("gemm", "sm90", "", facts, launcher, (a, b), framework, None, replay)
+        assert _dispatch.replayed(("unaligned-test",)) is None
+    assert torch.equal(got, torch.matmul(a, b.t()))
+    assert kernels.fallback_reasons("gemm") == {_dispatch.UNALIGNED: 1}
+
+
+@pytest.mark.skipif(not SM90, reason="no sm90 GPU: an unaligned launch needs one")
+def test_an_unaligned_view_on_the_gpu_falls_back_and_the_context_lives() -> None:
+    m, n, k = 1, 4096, 4096
+    buf = torch.randn(m * k + 1, device="cuda").bfloat16()
+    a = buf[1:].view(m, k)
+    b = (torch.randn(n, k, device="cuda") * k**-0.5).bfloat16()
+    kernels.clear_fallback_reasons()
+    for _ in range(2):  # shipped at one row: the second call replays the kept launch, checked again
+        got = kernels.gemm(a, b, trans_b=True)
+        torch.cuda.synchronize()
+        assert torch.equal(got, torch.matmul(a, b.t()))
+    assert kernels.fallback_reasons("gemm") == {_dispatch.UNALIGNED: 2}
+    aligned = a.clone()
+    assert torch.isfinite(kernels.gemm(aligned, b, trans_b=True)).all()  # the context still runs kernels

@@ -7,11 +7,13 @@ padding) launches N / block_N blocks: 64 on the o and down projections, 96 on qk
 cuBLAS reads the weight at 48-56% of the copy ceiling on o and qkv (H100, docs/perf-notes.md, session
 19); split-K's second pass lost what its extra blocks gained. Here every thread streams its own slice:
 
-- A block holds `rows` output columns (rows of B), one warp a column: lane l reads 16 bytes of B's row
+- A block holds rows x cols output columns (rows of B): `rows` warps, `cols` columns a warp (below;
+  one by default). For each of its columns, lane l reads 16 bytes of B's row
   at K offset 8·l of each 256-element step (one 512-byte coalesced row segment a warp and step), and
   the same 16 bytes of each of A's M rows (A is M·K·2 bytes: 8 KiB a row, served by L1).
-- `unroll` steps are unrolled, so that a thread has that many 16-byte loads of B in flight; M fp32
-  accumulators a thread, then the warp's sum by shuffles (TileLang's allreduce), lane 0 writes.
+- `unroll` steps are unrolled, so that a thread has that many 16-byte loads of B in flight a column;
+  M fp32 accumulators a thread and column, then the warp's sums by shuffles (TileLang's allreduce),
+  lane 0 writes.
 - `cols` columns a warp (knob, default 1): cols x unroll loads of B in flight a thread, and each load
   of A serves cols columns. The H200 pilot of 79df5c8 (cols 1) read o's weight at 50% of the copy
   ceiling: too few bytes in flight a thread, the guess this knob tests. A column's sum runs over
