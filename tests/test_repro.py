@@ -3,12 +3,15 @@ repro.py (torch and tilelang only) exits 1 while the bug is there."""
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -156,10 +159,51 @@ def test_a_runtime_failure_never_reproduces_as_a_refused_compile(tmp_path: Path)
     shrink must not take a refusal for the wrong values it chases (a review of 79df5c8)."""
     case = next(c for c in cases.expand(matrix.load()) if c.id == "gemm/llama8b-o-m1/float16/nt")
     cfg = {"schedule": "gemv", "rows": 3, "unroll": 4}  # rows 3: refused by kernels.gemm.gemv.check
-    script = tmp_path / "repro.py"
-    script.write_text(repro.render(case, "sm90", "wrong", case.dims, cfg, 0), encoding="utf-8")
+    script = repro.write_script(tmp_path, case, "sm90", "wrong", case.dims, cfg, 0)
     proc = _run(script)
     assert proc.returncode == 2 and "cannot run" in proc.stdout and "REPRODUCED" not in proc.stdout, proc.stdout
-    script.write_text(repro.render(case, "sm90", "compile", case.dims, cfg, 0), encoding="utf-8")
+    script = repro.write_script(tmp_path, case, "sm90", "compile", case.dims, cfg, 0)
     proc = _run(script)
     assert proc.returncode == 1 and "REPRODUCED: the compile fails" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("case_id", "cfg", "module"),
+    [
+        ("gemm/llama8b-o-m1/float16/nt", {"schedule": "gemv", "rows": 4, "unroll": 4}, "gemv"),
+        ("swiglu/llama8b-m1/bfloat16/stacked", {"schedule": "gemv", "rows": 4, "unroll": 4}, "gemv"),
+    ],
+)
+def test_a_schedule_module_travels_with_the_reproducer(
+    case_id: str, cfg: dict[str, Any], module: str, tmp_path: Path
+) -> None:
+    """A program that calls a schedule module (gemm's and swiglu's gemv, attention's fa3) by name:
+    the module is written whole beside repro.py and imported from there, never from kernels (the
+    script needs torch and tilelang only; a review of 79df5c8 found fa3's reproducer naming an
+    undefined `fa3`). Run with the repository's `kernels` made unimportable, the script still
+    builds its kernel (and stops where it needs the GPU)."""
+    case = next(c for c in cases.expand(matrix.load()) if c.id == case_id)
+    script = repro.write_script(tmp_path, case, "sm90", "wrong", case.dims, cfg, 0)
+    assert (tmp_path / f"{module}.py").read_text() == inspect.getsource(
+        importlib.import_module(f"kernels.gemm.{module}")
+    )
+    text = script.read_text()
+    assert f"\nimport {module}\n" in text and "import kernels" not in text and "from kernels" not in text
+    # A `kernels` package that raises on import shadows the real one: nothing of it may be needed.
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("raise ImportError('the reproducer imported kernels')\n")
+    proc = _run(script)
+    want = (0, "not reproduced") if GPU else (2, "needs a CUDA GPU")
+    assert proc.returncode == want[0] and want[1] in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_the_attention_reproducer_carries_fa3(tmp_path: Path) -> None:
+    from tilepilot import build, registry
+
+    case = next(c for c in cases.expand(matrix.load()) if c.id == "attention/tiny-16/bfloat16/causal")
+    choice = build.choice(case, "sm90")
+    assert choice is not None
+    dims = registry.of(case).shrink_dims(case)  # the reproducer's dimensions (groups, not heads)
+    repro.write_script(tmp_path, case, "sm90", "wrong", dims, dict(choice.config), 0)
+    assert (tmp_path / "fa3.py").read_text() == inspect.getsource(importlib.import_module("kernels.attention.fa3"))
+    assert "\nimport fa3\n" in (tmp_path / "repro.py").read_text()

@@ -280,6 +280,13 @@ class Operator:
         """Functions of the kernel package that repro_code calls besides `program`, pasted with it."""
         return []
 
+    def repro_modules(self) -> list[ModuleType]:
+        """Schedule modules the kernel's `program` calls by their bare name (kernels.gemm's `gemv`,
+        kernels.attention's `fa3`): each is written whole beside the reproducer and imported by
+        that name, so that the script needs torch and tilelang only. Each must import nothing of
+        kernels or tilepilot."""
+        return []
+
     # -- the fallback ---------------------------------------------------------------------------
     def probes(self) -> list[Probe]:
         """Forced-fallback reasons of the public API that inputs alone trigger (dtype, shape, mask),

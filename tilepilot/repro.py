@@ -2,6 +2,7 @@
 
     repro.py          tilelang + torch only: the kernel's program, its config, the seeded inputs and
                       the check; exit 1 while the bug is there, 0 once fixed, 2 where it cannot run
+    <schedule>.py     a schedule module the program calls (gemv.py, fa3.py), whole, imported by repro.py
     kernel.cu         the generated device source, when the compile got that far
     diagnostics.log   the compiler's or the harness's own account of the failure
     env.json          the environment capture
@@ -103,11 +104,14 @@ Original shape: {original}. Minimized: {dims}.
 """
 import sys
 import traceback
+from pathlib import Path
 from typing import Any
 
 import torch
 import tilelang
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the schedule modules written beside it
+{imports}
 LOG2E = 1.44269504
 KIND = {kind!r}
 DIMS = {dims!r}
@@ -154,7 +158,13 @@ if __name__ == "__main__":
 '''
 
 
+def modules(case: Case) -> dict[str, str]:
+    """The files the reproducer imports beside it: each schedule module its program names, whole."""
+    return {f"{m.__name__.rsplit('.', 1)[-1]}.py": inspect.getsource(m) for m in registry.of(case).repro_modules()}
+
+
 def render(case: Case, device: str, kind: str, dims: dict[str, int], cfg: dict[str, Any], seed: int) -> str:
+    """The reproducer script; it imports the files of `modules(case)`, written in its folder."""
     import datetime as dt
 
     from kernels import _config
@@ -162,6 +172,7 @@ def render(case: Case, device: str, kind: str, dims: dict[str, int], cfg: dict[s
     op = registry.of(case)
     mod = op.kernel
     return _TEMPLATE.format(
+        imports="".join(f"import {name.removesuffix('.py')}\n" for name in modules(case)),
         case_id=case.id,
         device=device,
         kind=kind,
@@ -179,6 +190,17 @@ def render(case: Case, device: str, kind: str, dims: dict[str, int], cfg: dict[s
         + f"\n\nprogram = {mod.program.__name__}\n",
         code=op.repro_code(),
     )
+
+
+def write_script(
+    folder: Path, case: Case, device: str, kind: str, dims: dict[str, int], cfg: dict[str, Any], seed: int
+) -> Path:
+    """repro.py and the schedule modules it imports, in `folder`; returns the script's path."""
+    for name, text in modules(case).items():
+        (folder / name).write_text(text, encoding="utf-8")
+    script = folder / "repro.py"
+    script.write_text(render(case, device, kind, dims, cfg, seed), encoding="utf-8")
+    return script
 
 
 def _with_dims(case: Case, dims: dict[str, int]) -> Case:
@@ -216,8 +238,7 @@ def _script_fails(
         t = timeout_s if kind == "hang" else min(timeout_s, max(1.0, deadline - time.monotonic()))
 
         with tempfile.TemporaryDirectory() as tmp:
-            script = Path(tmp) / "repro.py"
-            script.write_text(render(case, device, kind, dims, cfg, seed), encoding="utf-8")
+            script = write_script(Path(tmp), case, device, kind, dims, cfg, seed)
             try:
                 proc = subprocess.run([sys.executable, str(script)], capture_output=True, timeout=t, check=False)
             except subprocess.TimeoutExpired:
@@ -275,7 +296,7 @@ def write(
             original, fails, dims_space(case), max_tries=max_tries, budget_s=budget_s, try_s=try_s
         )
     small = _with_dims(case, dims)
-    (out / "repro.py").write_text(render(case, device, kind, dims, cfg, seed), encoding="utf-8")
+    write_script(out, case, device, kind, dims, cfg, seed)
     try:  # the generated source at the minimized shape, when the compile gets that far
         from kernels import _dispatch
 

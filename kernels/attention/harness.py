@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 from tilepilot import registry
@@ -125,6 +126,11 @@ class Attention(Operator):
         d = {k: v for k, v in shrunk.items() if k != "groups"}
         d["heads"] = shrunk["kv_heads"] * shrunk["groups"]
         return d
+
+    def repro_modules(self) -> list[ModuleType]:
+        from kernels.attention import fa3
+
+        return [fa3]
 
     def repro_code(self) -> str:
         return """

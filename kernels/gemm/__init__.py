@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from kernels import _config, _dispatch
+from kernels.gemm import gemv
 
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -15,8 +16,6 @@ def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]
     """The TileLang prim_func for one static shape; `cfg` holds tile sizes, stages and threads, or
     `schedule = "gemv"` and that schedule's knobs (kernels/gemm/gemv.py: a few rows, nt)."""
     if (schedule := cfg.get("schedule", "auto")) == "gemv":
-        from kernels.gemm import gemv
-
         return gemv.program(m, n, k, layout, dtype, cfg)
     if schedule != "auto":
         raise ValueError(f"gemm: schedule {schedule!r} is 'auto' (the tiled kernel) or 'gemv'")

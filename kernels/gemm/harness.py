@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 from tilepilot import registry
@@ -83,6 +84,11 @@ class Gemm(Operator):
     def exact(self, case: Case, inputs: tuple[Any, ...]) -> Any:
         a, b = (t.double() for t in inputs)
         return a @ (b.t() if case.variant == "nt" else b)
+
+    def repro_modules(self) -> list[ModuleType]:
+        from kernels.gemm import gemv
+
+        return [gemv]
 
     def repro_code(self) -> str:
         return """

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import _config, _dispatch
+from kernels.gemm import gemv
 
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -21,8 +22,6 @@ def program(m: int, hidden: int, inter: int, dtype: str, cfg: dict[str, Any]) ->
     `schedule = "gemv"` and that schedule's knobs (kernels/gemm/gemv.py: a few rows, both halves of
     the weight streamed, silu(gate)·up as each column's sums land)."""
     if (schedule := cfg.get("schedule", "auto")) == "gemv":
-        from kernels.gemm import gemv
-
         return gemv.swiglu_program(m, hidden, inter, dtype, cfg)
     if schedule != "auto":
         raise ValueError(f"swiglu: schedule {schedule!r} is 'auto' (the tiled kernel) or 'gemv'")

@@ -5,6 +5,7 @@ op as the Llama block writes it (torch.matmul, chunk, F.silu, multiply)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 from tilepilot import registry
@@ -81,6 +82,11 @@ class Swiglu(Operator):
         x, w = (t.double() for t in inputs)
         gate, up = (x @ w.t()).chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
+
+    def repro_modules(self) -> list[ModuleType]:
+        from kernels.gemm import gemv
+
+        return [gemv]
 
     def repro_code(self) -> str:
         return """
