@@ -171,9 +171,7 @@ def _kernel_fire(op: str, run: Fire, framework: Fire) -> Fire:
     def fire(*args: Any) -> torch.Tensor:
         try:
             return run(*args)
-        except Unaligned as exc:
-            reason = str(exc)
-        except Exception as exc:  # as the full path: a CUDA error, bad arguments
+        except Exception as exc:  # as the full path: a CUDA error, bad arguments, unaligned data
             reason = _kernel_failed(exc)
         _fallback.record(op, reason)
         return framework(*args)
@@ -182,6 +180,8 @@ def _kernel_fire(op: str, run: Fire, framework: Fire) -> Fire:
 
 
 def _kernel_failed(exc: Exception) -> str:
+    if isinstance(exc, Unaligned):  # not a failure of the kernel: these inputs' pointers
+        return str(exc)
     return f"kernel failed: {type(exc).__name__}: {str(exc).strip()[:200]}"
 
 
@@ -292,10 +292,7 @@ def run_or_fallback(
                     result = run(*args, out=out)
                 except CompileFailed as exc:
                     reason = f"compile failed: {exc}"  # memoized by compile_kernel: kept
-                except Unaligned as exc:  # this call's pointers: the next call may be aligned
-                    reason = str(exc)
-                    replay = None
-                except Exception as exc:  # the launch itself: bad arguments, a CUDA error
+                except Exception as exc:  # the launch itself: bad arguments, a CUDA error, unaligned data
                     reason = _kernel_failed(exc)
                     replay = None
                 else:
