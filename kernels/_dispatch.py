@@ -188,6 +188,16 @@ def _kernel_failed(exc: Exception) -> str:
 UNALIGNED = "unsupported alignment: a tensor's data is not 16-byte aligned"
 
 
+def check_aligned(*tensors: torch.Tensor | None) -> None:
+    """Raises Unaligned unless every tensor's data starts on 16 bytes (None: no tensor there)."""
+    ptrs = 0
+    for t in tensors:
+        if t is not None:
+            ptrs |= t.data_ptr()
+    if ptrs % 16:
+        raise Unaligned(UNALIGNED)
+
+
 def matrix_launcher(build: Callable[[dict[str, Any], str], Any], rows: int, cols: int) -> Launcher:
     """The launch of a kernel(a, b, c) that writes a (rows, cols) matrix C of a's dtype and device
     (GEMM, SwiGLU): `build(config, device)` compiles or fetches it."""
@@ -196,8 +206,7 @@ def matrix_launcher(build: Callable[[dict[str, Any], str], Any], rows: int, cols
         kernel = build(cfg, dev)
 
         def fire(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-            if (a.data_ptr() | b.data_ptr() | (0 if out is None else out.data_ptr())) % 16:
-                raise Unaligned(UNALIGNED)
+            check_aligned(a, b, out)
             c = torch.empty((rows, cols), dtype=a.dtype, device=a.device) if out is None else out
             kernel(a, b, c)
             return c
