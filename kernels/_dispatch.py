@@ -171,9 +171,7 @@ def _kernel_fire(op: str, run: Fire, framework: Fire) -> Fire:
     def fire(*args: Any) -> torch.Tensor:
         try:
             return run(*args)
-        except Unaligned as exc:
-            reason = str(exc)
-        except Exception as exc:  # as the full path: a CUDA error, bad arguments
+        except Exception as exc:  # as the full path: a CUDA error, bad arguments, unaligned data
             reason = _kernel_failed(exc)
         _fallback.record(op, reason)
         return framework(*args)
@@ -182,10 +180,22 @@ def _kernel_fire(op: str, run: Fire, framework: Fire) -> Fire:
 
 
 def _kernel_failed(exc: Exception) -> str:
+    if isinstance(exc, Unaligned):  # not a failure of the kernel: these inputs' pointers
+        return str(exc)
     return f"kernel failed: {type(exc).__name__}: {str(exc).strip()[:200]}"
 
 
 UNALIGNED = "unsupported alignment: a tensor's data is not 16-byte aligned"
+
+
+def check_aligned(*tensors: torch.Tensor | None) -> None:
+    """Raises Unaligned unless every tensor's data starts on 16 bytes (None: no tensor there)."""
+    ptrs = 0
+    for t in tensors:
+        if t is not None:
+            ptrs |= t.data_ptr()
+    if ptrs % 16:
+        raise Unaligned(UNALIGNED)
 
 
 def matrix_launcher(build: Callable[[dict[str, Any], str], Any], rows: int, cols: int) -> Launcher:
@@ -196,8 +206,7 @@ def matrix_launcher(build: Callable[[dict[str, Any], str], Any], rows: int, cols
         kernel = build(cfg, dev)
 
         def fire(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-            if (a.data_ptr() | b.data_ptr() | (0 if out is None else out.data_ptr())) % 16:
-                raise Unaligned(UNALIGNED)
+            check_aligned(a, b, out)
             c = torch.empty((rows, cols), dtype=a.dtype, device=a.device) if out is None else out
             kernel(a, b, c)
             return c
@@ -292,10 +301,7 @@ def run_or_fallback(
                     result = run(*args, out=out)
                 except CompileFailed as exc:
                     reason = f"compile failed: {exc}"  # memoized by compile_kernel: kept
-                except Unaligned as exc:  # this call's pointers: the next call may be aligned
-                    reason = str(exc)
-                    replay = None
-                except Exception as exc:  # the launch itself: bad arguments, a CUDA error
+                except Exception as exc:  # the launch itself: bad arguments, a CUDA error, unaligned data
                     reason = _kernel_failed(exc)
                     replay = None
                 else:

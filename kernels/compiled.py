@@ -18,6 +18,7 @@ from kernels import compiled
 ops = compiled.Shipped()                            # before torch.compile: reads the configs
 y = ops.linear(x, w)                                # inside torch.compile'd code: x @ w.T
 o = ops.decode_attention(q, k_cache, v_cache, cache_seqlens)
+a = ops.swiglu(x, w_gate_up)                        # silu(x @ W_gate.T) * (x @ W_up.T)
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import kernels
 from kernels import _config
 
 # The operators' modules (each shadowed in `kernels` by its public function): facts and reference.
-_gemm, _attention, _decode = (kernels.operator_module(op) for op in ("gemm", "attention", "decode"))
+_gemm, _attention, _decode, _swiglu = (kernels.operator_module(op) for op in ("gemm", "attention", "decode", "swiglu"))
 
 
 @torch.library.custom_op("tilepilot_kernels::gemm", mutates_args=())
@@ -65,6 +66,16 @@ def _(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | None
 ) -> torch.Tensor:
     return torch.empty_like(q)
+
+
+@torch.library.custom_op("tilepilot_kernels::swiglu", mutates_args=())
+def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    return kernels.swiglu(x.contiguous(), w_gate_up)
+
+
+@swiglu.register_fake
+def _(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w_gate_up.shape[0] // 2))
 
 
 def keeps_framework(rules: list[dict[str, Any]] | None, facts: dict[str, Any]) -> bool:
@@ -103,7 +114,7 @@ class Shipped:
 
     def __init__(self, device: str | None = None) -> None:
         self.device = device if device is not None else _current_device()
-        self.rules = {op: device_rules(self.device, op) for op in ("gemm", "attention", "decode")}
+        self.rules = {op: device_rules(self.device, op) for op in ("gemm", "attention", "decode", "swiglu")}
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight.T, as nn.Linear (no bias)."""
@@ -132,3 +143,11 @@ class Shipped:
         if keeps_framework(self.rules["decode"], facts):
             return _decode.reference(q, k_cache, v_cache, cache_seqlens)
         return decode_attention(q, k_cache, v_cache, cache_seqlens)
+
+    def swiglu(self, x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(x @ W_gate.T) * (x @ W_up.T), W = w_gate_up = [W_gate; W_up]."""
+        m, hidden = x.shape
+        facts = _swiglu.facts(m, hidden, w_gate_up.shape[0] // 2, _swiglu.DTYPES.get(x.dtype, str(x.dtype)))
+        if keeps_framework(self.rules["swiglu"], facts):
+            return _swiglu.reference(x, w_gate_up)
+        return swiglu(x, w_gate_up)

@@ -79,6 +79,20 @@ def test_the_device_tree_is_the_commit_and_asv_finds_it(sent: tuple[Path, Path])
     assert when == git("log", "-1", "--format=%at", ident["commit"], cwd=clone).strip()
 
 
+def test_check_refuses_a_checkout_with_its_own_history(sent: tuple[Path, Path]) -> None:
+    """`check` installs a one-commit shallow repository: in the home checkout that would cut the
+    history at HEAD (the gate then finds no ancestor). It refuses there, writing nothing, and runs
+    again on the device's copy once installed (a warm machine's second call)."""
+    clone, dev = sent
+    r = tool("check", clone / ".device", clone)
+    assert r.returncode == 2 and "history of its own" in r.stderr and "\n" not in r.stderr.strip(), r.stderr
+    assert not (clone / ".git" / "shallow").exists()
+    assert int(git("rev-list", "--count", "HEAD", cwd=clone)) > 1
+    for _ in range(2):
+        r = tool("check", dev / ".device", dev)
+        assert r.returncode == 0, r.stderr
+
+
 @pytest.mark.parametrize("how", ["changed", "untracked", "missing", "mode", "linked-folder"])
 def test_a_tree_that_is_not_the_commit_is_refused_in_one_line(
     sent: tuple[Path, Path], tmp_path: Path, how: str

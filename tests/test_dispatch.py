@@ -412,3 +412,14 @@ def test_cleared_fallback_reasons_are_logged_again_and_freed(caplog: pytest.LogC
         kernels.decode_attention(q, kv, kv, None)
     kernels.clear_fallback_reasons()
     assert not _fallback._cells and not _kept()
+
+
+def test_check_aligned_names_any_tensor_off_16_bytes() -> None:
+    """Every kernel launch (GEMM's, SwiGLU's, attention's, decode's) checks its tensors first: a
+    contiguous view may start at any element, and a misaligned 16-byte load is a sticky CUDA error."""
+    buf = torch.empty(64, dtype=torch.float16)
+    _dispatch.check_aligned(buf, None, buf[8:])  # 16 bytes in: aligned; None: no tensor there
+    for off in (1, 2, 4):
+        with pytest.raises(_dispatch.Unaligned, match="16-byte aligned"):
+            _dispatch.check_aligned(buf, buf[off:])
+    assert _dispatch._kernel_failed(_dispatch.Unaligned(_dispatch.UNALIGNED)) == _dispatch.UNALIGNED

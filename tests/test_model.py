@@ -22,8 +22,9 @@ def test_block_agrees_and_falls_back_on_cpu(dtype: matrix.Dtype) -> None:
     assert res["shipped"]["rel_fro"] == res["framework"]["rel_fro"] == res["tilelang"]["rel_fro"]
     assert 0 < res["framework"]["rel_fro"] <= SMALL.tolerance[dtype]
     assert res["shipped"]["fallbacks"] == {
-        "gemm: unsupported device: cpu tensors": 4,
+        "gemm: unsupported device: cpu tensors": 3,
         "attention: unsupported device: cpu tensors": 1,
+        "swiglu: unsupported device: cpu tensors": 1,  # the MLP's input: gate-up and SiLU·mul, one op
     }
     assert res["tilelang"]["tilelang_groups"] == []  # nothing ran a TileLang kernel, and it says so
 
@@ -35,8 +36,9 @@ def test_decode_block_agrees_and_falls_back_on_cpu() -> None:
     assert 0 < res["framework"]["rel_fro"] <= SMALL.tolerance["bfloat16"]
     assert res["shipped"]["rel_fro"] == res["framework"]["rel_fro"]
     assert res["shipped"]["fallbacks"] == {
-        "gemm: unsupported device: cpu tensors": 4,
+        "gemm: unsupported device: cpu tensors": 3,
         "decode: unsupported device: cpu tensors": 1,
+        "swiglu: unsupported device: cpu tensors": 1,
     }
     # evaluate wrote into copies only
     assert s.cache is not None and before is not None and torch.equal(s.cache.k, before)
@@ -109,10 +111,11 @@ def test_kernel_cases_are_built_once() -> None:
 
     sel = cases.expand(MX)
     extra = pilot.model_kernels(MX, sel, None)
-    # 4096 tokens: the four projections and causal attention are matrix cases already.
+    # 4096 tokens: the projections, the MLP's input and causal attention are matrix cases already.
     assert {c.shape_id for c in extra if c.op == "gemm" and c.dims["m"] > 64} == {
         f"model-{n}-t16384" for n in ("qkv", "o", "gateup", "down")
     }
+    assert {c.shape_id for c in extra if c.op == "swiglu" and c.dims["m"] > 64} == {"model-swiglu-t16384"}
     assert len({c.id for c in extra}) == len(extra)
     assert pilot.model_kernels(MX, sel, "gemm/*") == []
 

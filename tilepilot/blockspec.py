@@ -75,6 +75,8 @@ def model_kernel_cases(mx: Matrix) -> list[Case]:
     seen: set[str] = set()
     for bc in configs(mx):
         tag = f"t{bc.tokens}" if bc.phase == "prefill" else f"b{bc.batch}"
+        # The gate-up GEMM stays a case (the block's MLP input is kernels.swiglu now, below): every
+        # committed run's build record names it, and the gate judges those runs by this list.
         for name, n, k in (
             ("qkv", (cfg.heads + 2 * cfg.kv_heads) * d, h),
             ("o", h, h),
@@ -83,6 +85,9 @@ def model_kernel_cases(mx: Matrix) -> list[Case]:
         ):
             dims = {"m": bc.rows, "n": n, "k": k}
             out.append(Case("gemm", f"model-{name}-{tag}", "model", bc.dtype, "nt", dims, tol))
+        # The MLP's input (gate-up projection and SiLU·mul) is one op of the block: kernels.swiglu.
+        dims = {"m": bc.rows, "hidden": h, "inter": i}
+        out.append(Case("swiglu", f"model-swiglu-{tag}", "model", bc.dtype, "stacked", dims, tol))
         if bc.phase == "prefill":
             dims = {"batch": 1, "heads": cfg.heads, "kv_heads": cfg.kv_heads, "seq_q": bc.tokens, "seq_kv": bc.tokens}
             dims["head_dim"] = d

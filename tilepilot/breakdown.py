@@ -36,7 +36,20 @@ REGIONS = {
 }
 GAPS = "gaps"  # the device idle inside the call: launch overhead, host work, syncs
 _ATTENTION = ("flash", "fmha", "attention", "attn", "sdpa", "scaled_dot_product", "decode")
-_GEMM = ("gemm", "matmul", "aten::mm", "aten::addmm", "aten::linear", "cutlass", "nvjet", "xmma", "cublas", "gemv")
+# kernels.swiglu's custom op is the gate-up GEMM (with its activation fused) where it ships.
+_GEMM = (
+    "gemm",
+    "matmul",
+    "aten::mm",
+    "aten::addmm",
+    "aten::linear",
+    "cutlass",
+    "nvjet",
+    "xmma",
+    "cublas",
+    "gemv",
+    "swiglu",
+)
 
 
 @dataclass(frozen=True)
@@ -128,6 +141,15 @@ def bottleneck(shares: dict[str, float], replaceable: set[str]) -> str | None:
     """The largest share that a kernel in kernels/ could replace (a group whose op has one)."""
     have = {g: s for g, s in shares.items() if g in replaceable or g.split(":")[0] in replaceable}
     return max(have, key=lambda g: have[g]) if have else None
+
+
+def fold(values: dict[str, float], into: dict[str, str]) -> dict[str, float]:
+    """Groups merged: each key of `into` added to the group it names (ms or shares alike)."""
+    out = dict(values)
+    for src, dst in into.items():
+        if src in out:
+            out[dst] = out.get(dst, 0.0) + out.pop(src)
+    return out
 
 
 def amdahl(shares: dict[str, float], speedups: dict[str, float]) -> float:

@@ -6,7 +6,7 @@ token for each of `batch` sequences against a ragged KV cache). Each runs five w
 same method as the kernels (tilepilot.timing):
   framework         F.linear and SDPA, eager;
   compiled          the framework block under torch.compile (the matrix's mode);
-  shipped           kernels.gemm / attention / decode_attention, the configs deciding, eager;
+  shipped           kernels.gemm / attention / decode_attention / swiglu, the configs deciding, eager;
   shipped_compiled  the same calls as custom ops (kernels.compiled) under torch.compile;
   tilelang          the shipped calls under kernels.use_backend("tilelang"), eager: every kernel.
 The stronger of the two framework forms is the reference the gate judges the shipped block by.
@@ -45,6 +45,8 @@ MODEL_TIMING = timing.Policy(budget_s=0.3)
 _SPIN_HZ = 1.98e9  # torch.cuda._sleep counts cycles; the H200 holds its 1980 MHz boost clock here
 # Groups of the breakdown that an operator in kernels/ can replace (its op name after "gemm:").
 REPLACEABLE = {"gemm", "attention"}
+# What kernels.swiglu replaces, as the breakdown's groups: the gate-up GEMM and its activation.
+MLP_INPUT = {"activation": "gemm:gate_up"}
 
 
 @dataclass
@@ -148,17 +150,21 @@ def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float = 500000.0) -> torch.
 
 
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# x (rows, hidden) and the stacked [W_gate; W_up] -> silu(x·W_gateᵀ) * (x·W_upᵀ): the MLP's input.
+Swiglu = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Decode = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class Ops:
-    """The ops a kernel can replace: x @ W.T, causal attention (prefill), attention over a cache (decode)."""
+    """The ops a kernel can replace: x @ W.T, causal attention (prefill), attention over a cache
+    (decode), and the MLP's gate-up projection with its SiLU·mul (one op: a kernel may fuse them)."""
 
     linear: Linear
     attention: Attention
     decode: Decode
+    swiglu: Swiglu
 
 
 def _linear(ops: Ops, name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -167,10 +173,22 @@ def _linear(ops: Ops, name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tens
 
 
 def _mlp(x: torch.Tensor, w: Weights, ops: Ops) -> torch.Tensor:
-    gate, up = _linear(ops, "gate_up", _rms_norm(x, w.norm2), w.gate_up).chunk(2, dim=-1)
-    with region("activation"):
-        act = F.silu(gate) * up
+    xn = _rms_norm(x, w.norm2)
+    with region("gate_up"):
+        act = ops.swiglu(xn, w.gate_up)
     return _linear(ops, "down", act, w.down)
+
+
+def split_swiglu(linear: Linear) -> Swiglu:
+    """The MLP's input as the framework block writes it: the projection, then SiLU·mul on its two
+    halves (eager: the activation in its own region, as the breakdown has always shown it)."""
+
+    def swiglu(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = linear(x, w_gate_up).chunk(2, dim=-1)
+        with region("activation"):
+            return F.silu(gate) * up
+
+    return swiglu
 
 
 def block(x: torch.Tensor, w: Weights, cfg: Model, ops: Ops) -> torch.Tensor:
@@ -222,10 +240,14 @@ def framework_ops(ragged: bool = True) -> Ops:
     caller knows: no mask where every sequence fills the cache, the lengths' mask where they differ."""
     from kernels.decode import reference
 
+    def linear(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, wt)
+
     return Ops(
-        lambda x, wt: F.linear(x, wt),
+        linear,
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]),
         lambda q, k, v, lens: reference(q, k, v, lens if ragged else None),
+        split_swiglu(linear),
     )
 
 
@@ -246,7 +268,10 @@ def reference_ops() -> Ops:
     def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         return reference_exact(q, k, v, lens).to(q.dtype)
 
-    return Ops(lambda x, wt: F.linear(x, wt), attention, decode)
+    def linear(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, wt)
+
+    return Ops(linear, attention, decode, split_swiglu(linear))
 
 
 def kernel_ops(ragged: bool = True) -> Ops:
@@ -256,6 +281,7 @@ def kernel_ops(ragged: bool = True) -> Ops:
         lambda x, wt: kernels.gemm(x.contiguous(), wt, trans_b=True),
         lambda q, k, v: kernels.attention(q, k, v, causal=True),
         lambda q, k, v, lens: kernels.decode_attention(q, k, v, lens if ragged else None),
+        lambda x, w: kernels.swiglu(x.contiguous(), w),
     )
 
 
@@ -270,6 +296,7 @@ def compiled_kernel_ops(ragged: bool = True, device: str | None = None) -> Ops:
         shipped.linear,
         lambda q, k, v: shipped.attention(q, k, v, True),
         lambda q, k, v, lens: shipped.decode_attention(q, k, v, lens if ragged else None),
+        shipped.swiglu,
     )
 
 
@@ -303,7 +330,8 @@ class _Tracked:
         return out
 
     def ops(self) -> Ops:
-        gemms = iter(breakdown.GEMMS * 2)  # one block: each GEMM once, in order
+        # One block: each linear GEMM once, in order (gate-up is the swiglu op's).
+        gemms = iter([g for g in breakdown.GEMMS if g != "gate_up"] * 2)
 
         def linear(x: torch.Tensor, wt: torch.Tensor) -> torch.Tensor:
             return self._run(f"gemm:{next(gemms)}", lambda: self.inner.linear(x, wt))
@@ -312,6 +340,7 @@ class _Tracked:
             linear,
             lambda q, k, v: self._run("attention", lambda: self.inner.attention(q, k, v)),
             lambda q, k, v, lens: self._run("attention", lambda: self.inner.decode(q, k, v, lens)),
+            lambda x, w: self._run("gemm:gate_up", lambda: self.inner.swiglu(x, w)),
         )
 
 
@@ -530,14 +559,16 @@ def where_the_time_goes(
     out["bottleneck"] = {
         v: breakdown.bottleneck(bd[v]["shares"], REPLACEABLE) for v in ("framework", "compiled") if v in bd
     }
-    fw, tl = bd["framework"]["ms"], bd["tilelang"]["ms"]
+    # kernels.swiglu replaces the gate-up GEMM and its activation together: one group here.
+    fw, tl = (breakdown.fold(bd[v]["ms"], MLP_INPUT) for v in ("framework", "tilelang"))
+    shares = breakdown.fold(bd["framework"]["shares"], MLP_INPUT)
     amdahl: dict[str, Any] = {}
     for variant in ("shipped", "tilelang"):
         groups = [g for g in rec[variant].get("tilelang_groups", []) if fw.get(g, 0) > 0 and tl.get(g, 0) > 0]
         speedups = {g: fw[g] / tl[g] for g in groups}
         amdahl[variant] = {
-            "groups": {g: {"share": bd["framework"]["shares"][g], "speedup": speedups[g]} for g in groups},
-            "predicted": breakdown.amdahl(bd["framework"]["shares"], speedups),
+            "groups": {g: {"share": shares[g], "speedup": speedups[g]} for g in groups},
+            "predicted": breakdown.amdahl(shares, speedups),
             "measured": med["framework"] / med[variant],
         }
     out["amdahl"] = amdahl

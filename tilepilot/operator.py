@@ -175,11 +175,15 @@ class Operator:
     variants: ClassVar[tuple[str, ...]]  # the values the section's variant axis may take
     variant: ClassVar[str]  # that axis's name
     source_checks: ClassVar[dict[str, SourceCheck]] = TENSOR_CORE_CHECKS
+    # A hand-written schedule of another kind (config `schedule`), checked the same on every arch.
+    schedule_checks: ClassVar[dict[str, SourceCheck]] = {}
     shrink_order: ClassVar[tuple[str, ...]]  # the reproducer bisects these, outermost first
 
     def source_check(self, arch: str, config: dict[str, Any]) -> SourceCheck:
-        """What the device source of this arch and pinned config must and must not hold (default:
-        `source_checks`; an operator with a schedule of another kind says what that one holds)."""
+        """What the device source of this arch and pinned config must and must not hold: the
+        config's schedule's check where `schedule_checks` names it, else `source_checks`."""
+        if (check := self.schedule_checks.get(config.get("schedule", "auto"))) is not None:
+            return check
         return self.source_checks.get(arch, SourceCheck())
 
     # -- the matrix ---------------------------------------------------------------------------

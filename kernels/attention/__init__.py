@@ -212,6 +212,7 @@ def _launcher(args: dict[str, Any]) -> _dispatch.Launcher:
         kernel = build(**args, device=dev, cfg=cfg)
 
         def fire(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+            _dispatch.check_aligned(q, k, v, out)  # its TMA loads and stores
             o = torch.empty_like(q) if out is None else out
             kernel(q, k, v, o)
             return o

@@ -375,6 +375,7 @@ def _launcher(f: dict[str, Any]) -> _dispatch.Launcher:
             cache_seqlens: torch.Tensor | None,
             out: torch.Tensor | None = None,
         ) -> torch.Tensor:
+            _dispatch.check_aligned(q, k_cache, v_cache, out)  # its 16-byte loads and TMA
             return launch(kernel, q, k_cache, v_cache, cache_seqlens, torch.empty_like(q) if out is None else out)
 
         return fire

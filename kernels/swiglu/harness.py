@@ -15,7 +15,6 @@ from tilepilot.operator import (
     Framework,
     Operator,
     Probe,
-    SourceCheck,
     Tolerance,
     probe_tensor,
 )
@@ -29,10 +28,7 @@ class Swiglu(Operator):
     variant = "weights"
     variants = ("stacked",)  # [W_gate; W_up] as one weight, the block's gate_up
     shrink_order = ("m", "inter", "hidden")
-
-    def source_check(self, arch: str, config: dict[str, Any]) -> SourceCheck:
-        # A few rows: the gemv schedule, both halves of the weight streamed through the CUDA cores.
-        return STREAMING_CHECK if config.get("schedule") == "gemv" else super().source_check(arch, config)
+    schedule_checks = {"gemv": STREAMING_CHECK}  # a few rows: the weight streamed through the CUDA cores
 
     def build_args(self, case: Case) -> dict[str, Any]:
         d = case.dims
