@@ -4,11 +4,19 @@ launches over 16 distinct weights, so that no launch finds its weight in L2 and 
 host), with an empty kernel and torch.matmul the same ways. The fit t = a + bytes / BW over the four
 projections splits each into a fixed cost a and a streaming rate BW.
 
+Each single launch is timed after both flushes of tilepilot.timing.L2Flush: `dirty` (the pilot's:
+L2 left full of written lines) and `clean` (L2 left holding clean lines). If the ~10 µs "fixed" cost
+of session 22's fit is the write-back of the flush's dirty lines, the clean figures lose most of it
+while the graph's (no flush, the previous weight's clean lines in L2) agree with them. A plain read
+stream (torch.sum over 16-256 MiB) is timed the same two ways, so the answer does not rest on the
+kernels alone.
+
     PYTHONPATH=$PWD:<site> python3 scripts/gemv-fixed-cost.py OUT.json
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
@@ -66,45 +74,60 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return my - s * mx, 1 / s
 
 
-def one(n: int, k: int, flush: timing.L2Flush, clocks: timing.Clocks) -> dict[str, float]:
-    """One projection at one row: the gemv kernel (sm90.toml's rows 4, unroll 4) and torch.matmul."""
+def one(n: int, k: int, flushes: dict[str, timing.L2Flush], clocks: timing.Clocks) -> dict[str, float]:
+    """One projection at one row: the gemv kernel (sm90.toml's rows 4, unroll 4) and torch.matmul,
+    single launches after each flush, then amortized in a graph."""
     cfg = {"rows": 4, "unroll": 4}
     kern = tilelang.compile(gemv.program(1, n, k, "nt", "bfloat16", cfg), target={"kind": "cuda", "arch": "sm_90a"})
     a = torch.randn(1, k, device="cuda").bfloat16()
     ws = [(torch.randn(n, k, device="cuda") * k**-0.5).bfloat16() for _ in range(COPIES)]
     cs = [torch.empty(1, n, device="cuda", dtype=torch.bfloat16) for _ in range(COPIES)]
-    return {
-        "bytes": 2.0 * (k + n * k + n),
-        "gemv_single_us": timing.sample(lambda: kern(a, ws[0], cs[0]), flush, clocks)["median_ms"] * 1e3,
-        "gemv_graph_us": graph_us(lambda i: kern(a, ws[i], cs[i]), COPIES),
-        "torch_single_us": timing.sample(lambda: torch.matmul(a, ws[0].t()), flush, clocks)["median_ms"] * 1e3,
-        "torch_graph_us": graph_us(lambda i: torch.matmul(a, ws[i].t(), out=cs[i]), COPIES),
-    }
+    row = {"bytes": 2.0 * (k + n * k + n)}
+    for mode, flush in flushes.items():
+        row[f"gemv_{mode}_us"] = timing.sample(lambda: kern(a, ws[0], cs[0]), flush, clocks)["median_ms"] * 1e3
+        row[f"torch_{mode}_us"] = timing.sample(lambda: torch.matmul(a, ws[0].t()), flush, clocks)["median_ms"] * 1e3
+    row["gemv_graph_us"] = graph_us(lambda i: kern(a, ws[i], cs[i]), COPIES)
+    row["torch_graph_us"] = graph_us(lambda i: torch.matmul(a, ws[i].t(), out=cs[i]), COPIES)
+    return row
+
+
+def reads(flushes: dict[str, timing.L2Flush], clocks: timing.Clocks) -> dict[str, dict[str, float]]:
+    """torch.sum over a bf16 buffer of 16 to 256 MiB after each flush: a read stream's µs by size."""
+    out: dict[str, dict[str, float]] = {}
+    sink = torch.zeros((), device="cuda", dtype=torch.bfloat16)
+    for mib in (16, 32, 64, 128, 256):
+        x = torch.randn(mib * 2**19, device="cuda", dtype=torch.bfloat16)
+        fn = functools.partial(torch.sum, x, dim=0, out=sink)
+        row = out[str(mib)] = {"bytes": float(mib * 2**20)}
+        for mode, flush in flushes.items():
+            row[f"{mode}_us"] = timing.sample(fn, flush, clocks)["median_ms"] * 1e3
+    return out
 
 
 def main() -> int:
-    flush, clocks = timing.L2Flush(), timing.Clocks()
+    flushes = {mode: timing.L2Flush(mode) for mode in timing.L2Flush.MODES}
+    clocks = timing.Clocks()
     report: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(),
-        "ceilings": timing.ceilings(flush, clocks),
+        "ceilings": timing.ceilings(flushes["dirty"], clocks),
         "shapes": {},
     }
     empty = torch.empty(1, device="cuda")
-    report["empty_single_us"] = timing.sample(lambda: empty.add_(0), flush, clocks)["median_ms"] * 1e3
+    for mode, flush in flushes.items():
+        report[f"empty_{mode}_us"] = timing.sample(lambda: empty.add_(0), flush, clocks)["median_ms"] * 1e3
     report["empty_graph_us"] = graph_us(lambda i: empty.add_(0), COPIES)
-    pts: dict[str, list[tuple[float, float]]] = {
-        "gemv_single": [],
-        "gemv_graph": [],
-        "torch_single": [],
-        "torch_graph": [],
-    }
+    report["reads"] = reads(flushes, clocks)
+    print("reads", {m: {k: round(v, 2) for k, v in r.items() if k != "bytes"} for m, r in report["reads"].items()})
+    series = [f"{kind}_{how}" for kind in ("gemv", "torch") for how in (*flushes, "graph")]
+    pts: dict[str, list[tuple[float, float]]] = {key: [] for key in series}
     for name, (n, k) in PROJ.items():
-        row = one(n, k, flush, clocks)
+        row = one(n, k, flushes, clocks)
         for key in pts:
             pts[key].append((row["bytes"], row[f"{key}_us"]))
         report["shapes"][name] = row
         print(name, {k2: round(v, 2) for k2, v in row.items()}, flush=True)
         torch.cuda.empty_cache()
+    pts |= {f"read_{mode}": [(r["bytes"], r[f"{mode}_us"]) for r in report["reads"].values()] for mode in flushes}
     report["fits"] = {}
     for key, p in pts.items():
         if any(y != y for _, y in p):  # NaN: not captured
@@ -112,7 +135,7 @@ def main() -> int:
         a_us, bpus = fit(p)
         report["fits"][key] = {"fixed_us": a_us, "stream_tbps": bpus / 1e6}
         print(f"{key}: fixed {a_us:.2f} us, streaming {bpus / 1e6:.2f} TB/s", flush=True)
-    print(f"empty kernel: single {report['empty_single_us']:.2f} us, in a graph {report['empty_graph_us']:.2f} us")
+    print("empty kernel:", {k: round(v, 2) for k, v in report.items() if k.startswith("empty_")})
     Path(sys.argv[1]).write_text(json.dumps(report, indent=1))
     return 0
 

@@ -89,12 +89,29 @@ class Clocks:
 
 
 class L2Flush:
-    def __init__(self) -> None:
+    """Empties L2 of the sampled call's data before each sample, outside the timed region.
+
+    `dirty` (the method of every committed run): twice L2's size written, so L2 is left full of
+    dirty lines, and the call's first reads may pay for their write-back. `clean`: the same buffer
+    read, so the write-back happens here and L2 is left holding clean lines the call never reads,
+    as a kernel finds it after another layer's weights streamed through. Which one a small
+    memory-bound call's time depends on is scripts/gemv-fixed-cost.py's question (issue 20)."""
+
+    MODES = ("dirty", "clean")
+
+    def __init__(self, mode: str = "dirty") -> None:
+        if mode not in self.MODES:
+            raise ValueError(f"L2Flush: mode {mode!r} is not one of {self.MODES}")
+        self.mode = mode
         size = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * 2**20)
-        self.buf = torch.empty(2 * size // 4, dtype=torch.int32, device="cuda")
+        self.buf = torch.ones(2 * size // 4, dtype=torch.int32, device="cuda")
+        self.sink = torch.zeros((), dtype=torch.int64, device="cuda")
 
     def __call__(self) -> None:
-        self.buf.random_()  # written, not just read: evicts dirty and clean lines alike
+        if self.mode == "dirty":
+            self.buf.random_()  # written, not just read: evicts dirty and clean lines alike
+        else:
+            torch.sum(self.buf, dim=0, out=self.sink)  # read: evicts (writing back) whatever was there
 
 
 def _noise(samples: list[float]) -> float:
