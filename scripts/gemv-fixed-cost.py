@@ -8,8 +8,8 @@ Each single launch is timed after both flushes of tilepilot.timing.L2Flush: `dir
 L2 left full of written lines) and `clean` (L2 left holding clean lines). If the ~10 µs "fixed" cost
 of session 22's fit is the write-back of the flush's dirty lines, the clean figures lose most of it
 while the graph's (no flush, the previous weight's clean lines in L2) agree with them. A plain read
-stream (torch.sum over 16-256 MiB) is timed the same two ways, so the answer does not rest on the
-kernels alone.
+stream (torch.sum over 16-256 MiB) and decode attention at one sequence (the kernel and SDPA, caches
+of 4k-128k) are timed the same two ways, so the answer does not rest on one kernel.
 
     PYTHONPATH=$PWD:<site> python3 scripts/gemv-fixed-cost.py OUT.json
 """
@@ -28,6 +28,7 @@ import tilelang
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels import _config, decode
 from kernels.gemm import gemv
 from tilepilot import timing
 
@@ -104,6 +105,31 @@ def reads(flushes: dict[str, timing.L2Flush], clocks: timing.Clocks) -> dict[str
     return out
 
 
+def decodes(flushes: dict[str, timing.L2Flush], clocks: timing.Clocks) -> dict[str, dict[str, float]]:
+    """Decode attention at one sequence (Llama-3-8B's 32 query and 8 kv heads, head_dim 128, bf16,
+    a full cache of 4k, 32k and 128k tokens): the TileLang kernel (forced, as the pilot measures it)
+    and SDPA with no mask, after each flush. Issue 20's 80%-of-copy goal at one sequence rests on
+    how much of its "fixed" cost the flush leaves behind."""
+    out: dict[str, dict[str, float]] = {}
+    for cache in (4096, 32768, 131072):
+        q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, 8, cache, 128, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+
+        def kernel(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> torch.Tensor:
+            with _config.use_backend("tilelang"):
+                return decode.decode_attention(q, k, v, None)
+
+        row = out[str(cache)] = {"bytes": 2.0 * (k.numel() + v.numel() + 2 * q.numel())}
+        for mode, flush in flushes.items():
+            row[f"kernel_{mode}_us"] = timing.sample(kernel, flush, clocks)["median_ms"] * 1e3
+            ref = functools.partial(decode.reference, q, k, v, None)
+            row[f"sdpa_{mode}_us"] = timing.sample(ref, flush, clocks)["median_ms"] * 1e3
+        del q, k, v
+        torch.cuda.empty_cache()
+    return out
+
+
 def main() -> int:
     flushes = {mode: timing.L2Flush(mode) for mode in timing.L2Flush.MODES}
     clocks = timing.Clocks()
@@ -118,6 +144,8 @@ def main() -> int:
     report["empty_graph_us"] = graph_us(lambda i: empty.add_(0), COPIES)
     report["reads"] = reads(flushes, clocks)
     print("reads", {m: {k: round(v, 2) for k, v in r.items() if k != "bytes"} for m, r in report["reads"].items()})
+    report["decode"] = decodes(flushes, clocks)
+    print("decode", {c: {k: round(v, 2) for k, v in r.items()} for c, r in report["decode"].items()}, flush=True)
     series = [f"{kind}_{how}" for kind in ("gemv", "torch") for how in (*flushes, "graph")]
     pts: dict[str, list[tuple[float, float]]] = {key: [] for key in series}
     for name, (n, k) in PROJ.items():
