@@ -8,7 +8,8 @@ float32 (relative Frobenius error under 1e-2, every element written) before it i
 that fails is recorded with its error and never timed. Timing is tilepilot.timing's (L2 flushed,
 batches alternated with the references under one clock state, the clock recorded): the variant,
 SDPA's own call for the case, and the pinned kernels.attention config. Variants are "<block_N>x<p_sets>",
-with a trailing "p" for the consumers' ping-pong (fa3's `pingpong`).
+with a trailing "p" for the consumers' ping-pong (fa3's `pingpong`) and then a "c" for Q·Kᵀ into a
+cleared accumulator off the diagonal (fa3's `clear`): 128x1pc is sm90.toml's causal config.
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ CASES = {
 }
 
 
+def variant(v: str) -> dict[str, int]:
+    """ "128x1pc" -> block_N 128, p_sets 1, pingpong 1, clear 1; ValueError on anything else."""
+    clear = v.endswith("c")
+    v = v.removesuffix("c")
+    pingpong = v.endswith("p")
+    block_n, p_sets = v.removesuffix("p").split("x")
+    return {"block_N": int(block_n), "p_sets": int(p_sets), "pingpong": int(pingpong), "clear": int(clear)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
@@ -42,16 +52,10 @@ def main() -> int:
     ap.add_argument("--variants", default="128x1,64x2,128x1p,64x2p")
     args = ap.parse_args()
     try:
-        variants = [
-            {
-                **dict(zip(("block_N", "p_sets"), map(int, v.removesuffix("p").split("x")), strict=True)),
-                "pingpong": int(v.endswith("p")),
-            }
-            for v in args.variants.split(",")
-        ]
+        variants = [variant(v) for v in args.variants.split(",")]
     except ValueError:
         print(
-            f"h200-fa3-probe: --variants {args.variants!r}: give <block_N>x<p_sets>[p], comma-separated",
+            f"h200-fa3-probe: --variants {args.variants!r}: give <block_N>x<p_sets>[p][c], comma-separated",
             file=sys.stderr,
         )
         return 2
@@ -88,7 +92,7 @@ def main() -> int:
         out_p = torch.empty_like(q)
         fns["pinned"] = lambda kp=pinned, o=out_p, q=q, k=k, v=v: kp(q, k, v, o)
         for var in variants:
-            name = f"fa3-{var['block_N']}x{var['p_sets']}{'p' * var['pingpong']}"
+            name = f"fa3-{var['block_N']}x{var['p_sets']}{'p' * var['pingpong']}{'c' * var['clear']}"
             entry: dict[str, Any] = {"variant": name}
             try:
                 kern = tilelang.compile(

@@ -33,19 +33,29 @@ def _source(causal: bool, head_dim: int, cfg: dict[str, Any], kv_heads: int = 8)
 
 
 @pytest.mark.parametrize(
-    ("causal", "head_dim", "block_n", "p_sets", "pingpong", "heads_first"),
+    ("causal", "head_dim", "block_n", "p_sets", "pingpong", "heads_first", "clear"),
     [
-        (False, 128, 128, 1, 0, 0),
-        (True, 128, 128, 1, 0, 0),
-        (False, 128, 64, 2, 0, 0),
-        (True, 64, 64, 1, 0, 0),
-        (False, 128, 128, 1, 1, 0),
-        (True, 128, 64, 2, 1, 0),
-        (True, 128, 128, 1, 1, 1),  # the causal config sm90.toml pins where K/V fit in L2
+        (False, 128, 128, 1, 0, 0, 0),
+        (True, 128, 128, 1, 0, 0, 0),
+        (False, 128, 64, 2, 0, 0, 0),
+        (True, 64, 64, 1, 0, 0, 0),
+        (False, 128, 128, 1, 1, 0, 0),
+        (True, 128, 64, 2, 1, 0, 0),
+        (True, 128, 128, 1, 1, 1, 1),  # the causal config sm90.toml pins where K/V fit in L2
+        (True, 128, 128, 1, 1, 0, 1),  # and past L2
+        (True, 64, 64, 1, 0, 0, 1),  # two diagonal blocks for the first warpgroup, one of them all masked
+        (False, 128, 128, 1, 0, 0, 1),
     ],
 )
 def test_compiles_with_the_wgmmas_in_flight(
-    tmp_path: Path, causal: bool, head_dim: int, block_n: int, p_sets: int, pingpong: int, heads_first: int
+    tmp_path: Path,
+    causal: bool,
+    head_dim: int,
+    block_n: int,
+    p_sets: int,
+    pingpong: int,
+    heads_first: int,
+    clear: int,
 ) -> None:
     """nvcc with TileLang's own options and ptxas's report: ptxas serializes every wgmma of a kernel
     whose pipeline it cannot follow (C7514) or whose registers do not suffice (C7512), and says so."""
@@ -53,10 +63,12 @@ def test_compiles_with_the_wgmmas_in_flight(
         pytest.fail("nvcc is not on PATH: compile-only checks need CUDA's nvcc (CUDA 13.0)")
     from tilelang.cuda.backend import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
 
-    cfg = {"block_N": block_n, "p_sets": p_sets, "pingpong": pingpong, "heads_first": heads_first}
+    cfg = {"block_N": block_n, "p_sets": p_sets, "pingpong": pingpong, "heads_first": heads_first, "clear": clear}
     src = _source(causal, head_dim, cfg)
     # The schedule in the source: Q·Kᵀ(j) and P·V(j-1) issued before the first wait, which leaves one.
     assert "wait_wgmma<1>" in src and src.count("wgmma_rs") >= 2 and "tma_load" in src
+    # `clear`: a Q·Kᵀ whose first k-step zeroes the accumulator (wgmma's scale-d 0), none without it.
+    assert bool(re.search(r"wgmma_ss<[^;]*\? 1 : 0\)\);", src)) == bool(clear)
     # Ping-pong: each consumer waits for its turn (bar.sync 1 or 2 of 256 threads) and gives the other
     # one its turn (bar.arrive); none of it without the knob.
     turns = ("__sync_thread_partial(1, 256)", "__sync_thread_partial(2, 256)", "__named_barrier_arrive(1, 256)")
@@ -91,6 +103,8 @@ def test_compiles_with_the_wgmmas_in_flight(
         (0, 128, False, {"block_N": 128}, "at least one"),
         (2048, 128, False, {"block_N": 128, "heads_first": 1}, "heads_first=1"),
         (2048, 128, True, {"block_N": 128, "heads_first": 2}, "heads_first=2"),
+        (2048, 128, True, {"block_N": 64, "p_sets": 2, "clear": 1}, "clear=1: 0, or 1 with p_sets=1"),
+        (2048, 128, True, {"block_N": 128, "clear": 2}, "clear=2"),
     ],
 )
 def test_domain_is_refused_in_one_line(seq: int, head_dim: int, causal: bool, cfg: dict[str, Any], says: str) -> None:
@@ -116,6 +130,12 @@ def test_domain_is_refused_in_one_line(seq: int, head_dim: int, causal: bool, cf
         (True, 8, 2048, 2048, {"block_N": 128, "pingpong": 1, "heads_first": 1}),  # sm90.toml's, K/V in L2
         (True, 2, 1024, 1024, {"block_N": 64, "p_sets": 2, "pingpong": 1}),
         (False, 8, 256, 192, {"block_N": 64, "p_sets": 2, "pingpong": 1}),
+        # clear: unmasked blocks clear S in the wgmma; causal loops split at the diagonal.
+        (True, 8, 2048, 2048, {"block_N": 128, "pingpong": 1, "clear": 1}),  # sm90.toml's causal config
+        (True, 8, 2048, 2048, {"block_N": 128, "pingpong": 1, "heads_first": 1, "clear": 1}),
+        (True, 2, 1024, 1024, {"block_N": 64, "clear": 1}),  # two diagonal blocks, one wholly masked
+        (True, 8, 2048, 2048, {"block_N": 128, "head_dim": 64, "clear": 1}),
+        (False, 8, 256, 192, {"block_N": 64, "clear": 1}),  # not causal: every block cleared
     ],
 )
 def test_values_against_float64(causal: bool, kv_heads: int, seq_q: int, seq_kv: int, cfg: dict[str, Any]) -> None:
@@ -171,6 +191,8 @@ def test_the_rules_pin_fa3_exactly_inside_its_domain_and_ship_sdpa() -> None:
                         picked += 1
                         assert (ch.config["threads"], ch.config["num_stages"], ch.config["block_M"]) == (384, 2, 128)
                         assert ch.config["pingpong"] == (mask == "causal"), f  # the probe's faster variant
+                        # Causal blocks off the diagonal clear S in the wgmma (no mask select).
+                        assert ch.config.get("clear", 0) == (mask == "causal"), f
                         fa3.check(seq_q, seq_kv, head_dim, mask == "causal", ch.config)  # no refusal
                         # Every head's heaviest tile first exactly where all heads' K/V fit in 32 MiB.
                         fits = mask == "causal" and 4 * 8 * seq_kv * head_dim <= 32 << 20

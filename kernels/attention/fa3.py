@@ -31,8 +31,10 @@ diagonal's last, every key block) runs before any lighter one and the grid ends 
 Measured on an H100 (994c43c against 1db9afd, docs/perf-notes.md): 1 gives +5.6% at S 4096 and
 +1.5% at S 8192, where all heads' K/V (16 and 32 MiB) fit in the 50 MiB L2, and loses 1.6% at
 S 16384, 1.5% at S 32768 and 6% on MHA batch 8, where they do not; sm90.toml sets it where they fit.
-Not yet: causal blocks split into unmasked and diagonal loops, a persistent grid. Each is measured
-alone.
+Knob `clear` (with p_sets 1): Q·Kᵀ clears S itself (wgmma's zero scale on the accumulator) wherever no
+key is masked, instead of a fill of S (zeros, or the causal mask's 0/-inf select per element) before
+every block; causal loops split in two, the blocks every row of the warpgroup sees whole, then the
+diagonal's. Not yet: a persistent grid. Each is measured alone.
 
 Knobs: heads_first (above), block_N (64 or 128 keys a block) and p_sets: 1 keeps P(j) in the registers that P·V(j-1)
 reads, so its cast waits for that wgmma (ptxas then waits before the softmax too: compiled here, the
@@ -88,6 +90,8 @@ def check(seq_q: int, seq_kv: int, head_dim: int, causal: bool, cfg: dict[str, A
         )
     if (hf := cfg.get("heads_first", 0)) not in (0, 1) or (hf and not causal):
         raise ValueError(f"fa3: heads_first={hf!r}: 0, or 1 with a causal mask (a tile order for causal grids)")
+    if (cl := cfg.get("clear", 0)) not in (0, 1) or (cl and p_sets != 1):
+        raise ValueError(f"fa3: clear={cl!r}: 0, or 1 with p_sets=1 (the loop of two blocks a turn is not split)")
     if p_sets == 2 and bn > 64:  # 2 x 32 registers of P beside S and O: ptxas spills and serializes (C7512)
         raise ValueError("fa3: p_sets=2 needs block_N=64 (at 128, ptxas spills and serializes the wgmmas)")
     if head_dim not in (64, 128):
@@ -122,6 +126,7 @@ def program(
     s_regs = ROWS * bn // 128  # 32-bit registers a consumer thread holds of S
     p_sets = int(cfg.get("p_sets", 1))
     pingpong = bool(cfg.get("pingpong", 0))
+    clear = bool(cfg.get("clear", 0))
 
     @T.macro
     def softmax(s: Any, m_cur: Any, m_prev: Any, rescale: Any, row_sum: Any, denom: Any) -> None:
@@ -148,14 +153,18 @@ def program(
                 s[i, c] = 0
 
     @T.macro
-    def step(j: Any, c: Any, r: Any, p_prev: Any, p_next: Any, row0: Any, w: int, n_blocks: Any) -> None:
+    def step(
+        j: Any, c: Any, r: Any, p_prev: Any, p_next: Any, row0: Any, w: int, n_blocks: Any, masked: bool = True
+    ) -> None:
         """Key block j of consumer c (its fragments) over the ring r: Q·Kᵀ(j) and P·V(j-1) in flight
-        together, the softmax of j under P·V(j-1)."""
-        mask(c.s, row0, j)
+        together, the softmax of j under P·V(j-1). Not `masked`: every key of the block is visible to
+        every row, and Q·Kᵀ clears its accumulator itself (no mask or zero fill of S)."""
+        if masked:
+            mask(c.s, row0, j)
         T.mbarrier_wait_parity(r.k_full[j % 2], (j // 2) & 1)
         if pingpong:  # this warpgroup's turn at the tensor cores: the other one's softmax runs meanwhile
             T.sync_threads(1 + w, 256)
-        T.wgmma_gemm(c.q, r.k_s[j % 2, :, :], c.s, transpose_B=True)  # Q·Kᵀ(j)
+        T.wgmma_gemm(c.q, r.k_s[j % 2, :, :], c.s, transpose_B=True, clear_accum=not masked)  # Q·Kᵀ(j)
         for i, e in T.Parallel(ROWS, d):  # O to the scale of block j-1, before P·V(j-1) adds to it
             c.o[i, e] *= c.rescale[i]
         T.mbarrier_wait_parity(r.v_full[(j - 1) % 2], ((j - 1) // 2) & 1)
@@ -194,18 +203,26 @@ def program(
         T.fill(c.denom, 0)
         T.fill(c.m_cur, -T.infinity(acc))
         T.mbarrier_wait_parity(r.q_full[w], 0)
-        mask(c.s, row0, 0)
+        if causal or not clear:
+            mask(c.s, row0, 0)
         T.mbarrier_wait_parity(r.k_full[0], 0)
-        T.wgmma_gemm(c.q, r.k_s[0, :, :], c.s, transpose_B=True)
+        T.wgmma_gemm(c.q, r.k_s[0, :, :], c.s, transpose_B=True, clear_accum=clear and not causal)
         T.wait_wgmma(0)
         T.mbarrier_arrive(r.k_empty[0])
         softmax(c.s, c.m_cur, c.m_prev, c.rescale, c.row_sum, c.denom)
         T.copy(c.s, c.pa)
         if pingpong and w == 1 and n_blocks > 1:
             T.named_barrier_arrive(1, 256)  # consumer 0 takes the first turn
-        if p_sets == 1:
+        if p_sets == 1 and clear and causal:
+            # The blocks every row of this warpgroup sees whole, unmasked; then the diagonal's, masked.
+            first_masked = T.max(T.min((row0 + 1) // bn, n_blocks), 1)
+            for jj in T.serial(first_masked - 1):
+                step(jj + 1, c, r, c.pa, c.pa, row0, w, n_blocks, masked=False)
+            for jj in T.serial(n_blocks - first_masked):
+                step(first_masked + jj, c, r, c.pa, c.pa, row0, w, n_blocks)
+        elif p_sets == 1:
             for jj in T.serial(n_blocks - 1):
-                step(jj + 1, c, r, c.pa, c.pa, row0, w, n_blocks)
+                step(jj + 1, c, r, c.pa, c.pa, row0, w, n_blocks, masked=not clear)
         else:  # two blocks a turn, so that P's register sets alternate by name
             for t in T.serial((n_blocks - 1) // 2):
                 step(2 * t + 1, c, r, c.pa, c.pb, row0, w, n_blocks)
