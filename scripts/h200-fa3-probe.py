@@ -1,6 +1,6 @@
 """Checks, then times, kernels.attention.fa3's variants against SDPA and the pinned kernel (issue 21).
 
-    python3 scripts/h200-fa3-probe.py OUT.json [--cases all|quick] [--variants 128x1,64x2,128x1p,64x2p]
+    python3 scripts/h200-fa3-probe.py OUT.json [--cases all|quick] [--variants 128x1,128x1l,128x1p,128x1pc,128x1pcl]
 
 Per case (prefill shapes of the pilot: Llama-3-8B GQA 32/8 and MHA, fp16 and bf16, causal and not,
 head_dim 128): each variant is compiled, its output poisoned with NaN and checked against SDPA in
@@ -8,8 +8,9 @@ float32 (relative Frobenius error under 1e-2, every element written) before it i
 that fails is recorded with its error and never timed. Timing is tilepilot.timing's (L2 flushed,
 batches alternated with the references under one clock state, the clock recorded): the variant,
 SDPA's own call for the case, and the pinned kernels.attention config. Variants are "<block_N>x<p_sets>",
-with a trailing "p" for the consumers' ping-pong (fa3's `pingpong`) and then a "c" for Q·Kᵀ into a
-cleared accumulator off the diagonal (fa3's `clear`): 128x1pc is sm90.toml's causal config.
+and then any of the letters "p" for the consumers' ping-pong (fa3's `pingpong`), "c" for Q·Kᵀ into a
+cleared accumulator off the diagonal (`clear`) and "l" for the lazy rescale (`lazy`): 128x1pcl is
+sm90.toml's causal config, 128x1l its non-causal one.
 """
 
 from __future__ import annotations
@@ -36,26 +37,34 @@ CASES = {
 }
 
 
+FLAGS = {"p": "pingpong", "c": "clear", "l": "lazy"}
+
+
 def variant(v: str) -> dict[str, int]:
-    """ "128x1pc" -> block_N 128, p_sets 1, pingpong 1, clear 1; ValueError on anything else."""
-    clear = v.endswith("c")
-    v = v.removesuffix("c")
-    pingpong = v.endswith("p")
-    block_n, p_sets = v.removesuffix("p").split("x")
-    return {"block_N": int(block_n), "p_sets": int(p_sets), "pingpong": int(pingpong), "clear": int(clear)}
+    """ "128x1pcl" -> block_N 128, p_sets 1, pingpong 1, clear 1, lazy 1; ValueError on anything else."""
+    head = v.rstrip("".join(FLAGS))
+    letters = v[len(head) :]
+    if len(set(letters)) != len(letters):
+        raise ValueError(f"{v}: a flag twice")
+    block_n, p_sets = head.split("x")
+    return {"block_N": int(block_n), "p_sets": int(p_sets)} | {k: int(f in letters) for f, k in FLAGS.items()}
+
+
+def label(var: dict[str, int]) -> str:
+    return f"fa3-{var['block_N']}x{var['p_sets']}" + "".join(f for f, k in FLAGS.items() if var[k])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
     ap.add_argument("--cases", choices=sorted(CASES), default="all")
-    ap.add_argument("--variants", default="128x1,64x2,128x1p,64x2p")
+    ap.add_argument("--variants", default="128x1,128x1l,128x1p,128x1pc,128x1pcl")
     args = ap.parse_args()
     try:
         variants = [variant(v) for v in args.variants.split(",")]
     except ValueError:
         print(
-            f"h200-fa3-probe: --variants {args.variants!r}: give <block_N>x<p_sets>[p][c], comma-separated",
+            f"h200-fa3-probe: --variants {args.variants!r}: give <block_N>x<p_sets> and any of p, c, l; comma-separated",
             file=sys.stderr,
         )
         return 2
@@ -92,7 +101,7 @@ def main() -> int:
         out_p = torch.empty_like(q)
         fns["pinned"] = lambda kp=pinned, o=out_p, q=q, k=k, v=v: kp(q, k, v, o)
         for var in variants:
-            name = f"fa3-{var['block_N']}x{var['p_sets']}{'p' * var['pingpong']}{'c' * var['clear']}"
+            name = label(var)
             entry: dict[str, Any] = {"variant": name}
             try:
                 kern = tilelang.compile(

@@ -33,18 +33,20 @@ def _source(causal: bool, head_dim: int, cfg: dict[str, Any], kv_heads: int = 8)
 
 
 @pytest.mark.parametrize(
-    ("causal", "head_dim", "block_n", "p_sets", "pingpong", "heads_first", "clear"),
+    ("causal", "head_dim", "block_n", "p_sets", "pingpong", "heads_first", "clear", "lazy"),
     [
-        (False, 128, 128, 1, 0, 0, 0),
-        (True, 128, 128, 1, 0, 0, 0),
-        (False, 128, 64, 2, 0, 0, 0),
-        (True, 64, 64, 1, 0, 0, 0),
-        (False, 128, 128, 1, 1, 0, 0),
-        (True, 128, 64, 2, 1, 0, 0),
-        (True, 128, 128, 1, 1, 1, 1),  # the causal config sm90.toml pins where K/V fit in L2
-        (True, 128, 128, 1, 1, 0, 1),  # and past L2
-        (True, 64, 64, 1, 0, 0, 1),  # two diagonal blocks for the first warpgroup, one of them all masked
-        (False, 128, 128, 1, 0, 0, 1),
+        (False, 128, 128, 1, 0, 0, 0, 0),
+        (True, 128, 128, 1, 0, 0, 0, 0),
+        (False, 128, 64, 2, 0, 0, 0, 0),
+        (True, 64, 64, 1, 0, 0, 0, 0),
+        (False, 128, 128, 1, 1, 0, 0, 0),
+        (True, 128, 64, 2, 1, 0, 0, 0),
+        (True, 128, 128, 1, 1, 1, 1, 1),  # the causal config sm90.toml pins where K/V fit in L2
+        (True, 128, 128, 1, 1, 0, 1, 1),  # and past L2
+        (False, 128, 128, 1, 0, 0, 0, 1),  # the non-causal config it pins
+        (True, 64, 64, 1, 0, 0, 1, 0),  # two diagonal blocks for the first warpgroup, one of them all masked
+        (False, 128, 128, 1, 0, 0, 1, 0),
+        (False, 128, 64, 2, 1, 0, 0, 1),
     ],
 )
 def test_compiles_with_the_wgmmas_in_flight(
@@ -56,6 +58,7 @@ def test_compiles_with_the_wgmmas_in_flight(
     pingpong: int,
     heads_first: int,
     clear: int,
+    lazy: int,
 ) -> None:
     """nvcc with TileLang's own options and ptxas's report: ptxas serializes every wgmma of a kernel
     whose pipeline it cannot follow (C7514) or whose registers do not suffice (C7512), and says so."""
@@ -63,12 +66,17 @@ def test_compiles_with_the_wgmmas_in_flight(
         pytest.fail("nvcc is not on PATH: compile-only checks need CUDA's nvcc (CUDA 13.0)")
     from tilelang.cuda.backend import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
 
-    cfg = {"block_N": block_n, "p_sets": p_sets, "pingpong": pingpong, "heads_first": heads_first, "clear": clear}
+    cfg = {"block_N": block_n, "p_sets": p_sets, "pingpong": pingpong, "heads_first": heads_first}
+    cfg |= {"clear": clear, "lazy": lazy}
     src = _source(causal, head_dim, cfg)
     # The schedule in the source: Q·Kᵀ(j) and P·V(j-1) issued before the first wait, which leaves one.
     assert "wait_wgmma<1>" in src and src.count("wgmma_rs") >= 2 and "tma_load" in src
     # `clear`: a Q·Kᵀ whose first k-step zeroes the accumulator (wgmma's scale-d 0), none without it.
     assert bool(re.search(r"wgmma_ss<[^;]*\? 1 : 0\)\);", src)) == bool(clear)
+    # `lazy`: O's rescale behind a warp vote on whether any row took a new maximum.
+    # (Each consumer's: in its loop, or its two loops where causal ones are split, and after them.)
+    votes = src.count("__any_sync(")
+    assert votes >= 4 if lazy else votes == 0, votes
     # Ping-pong: each consumer waits for its turn (bar.sync 1 or 2 of 256 threads) and gives the other
     # one its turn (bar.arrive); none of it without the knob.
     turns = ("__sync_thread_partial(1, 256)", "__sync_thread_partial(2, 256)", "__named_barrier_arrive(1, 256)")
@@ -105,6 +113,7 @@ def test_compiles_with_the_wgmmas_in_flight(
         (2048, 128, True, {"block_N": 128, "heads_first": 2}, "heads_first=2"),
         (2048, 128, True, {"block_N": 64, "p_sets": 2, "clear": 1}, "clear=1: 0, or 1 with p_sets=1"),
         (2048, 128, True, {"block_N": 128, "clear": 2}, "clear=2"),
+        (2048, 128, False, {"block_N": 128, "lazy": 2}, "lazy=2"),
     ],
 )
 def test_domain_is_refused_in_one_line(seq: int, head_dim: int, causal: bool, cfg: dict[str, Any], says: str) -> None:
@@ -136,6 +145,11 @@ def test_domain_is_refused_in_one_line(seq: int, head_dim: int, causal: bool, cf
         (True, 2, 1024, 1024, {"block_N": 64, "clear": 1}),  # two diagonal blocks, one wholly masked
         (True, 8, 2048, 2048, {"block_N": 128, "head_dim": 64, "clear": 1}),
         (False, 8, 256, 192, {"block_N": 64, "clear": 1}),  # not causal: every block cleared
+        # lazy: a row keeps its stale maximum within 2^8, and O's rescale is skipped where none moved.
+        (False, 8, 2048, 2048, {"block_N": 128, "lazy": 1}),  # sm90.toml's non-causal config
+        (True, 8, 2048, 2048, {"block_N": 128, "pingpong": 1, "clear": 1, "lazy": 1}),  # and causal
+        (True, 2, 1024, 1024, {"block_N": 64, "p_sets": 2, "lazy": 1}),
+        (False, 8, 2048, 2048, {"block_N": 128, "lazy": 1, "spread": 1}),  # scores over 2^8: rescales taken
     ],
 )
 def test_values_against_float64(causal: bool, kv_heads: int, seq_q: int, seq_kv: int, cfg: dict[str, Any]) -> None:
@@ -146,6 +160,11 @@ def test_values_against_float64(causal: bool, kv_heads: int, seq_q: int, seq_kv:
     g = torch.Generator(device="cuda").manual_seed(seq_q + seq_kv)
     q = torch.randn(b, h, seq_q, d, generator=g, device="cuda").half()
     k, v = (torch.randn(b, kv_heads, seq_kv, d, generator=g, device="cuda").half() for _ in range(2))
+    if cfg.pop("spread", 0):
+        # Keys that grow along the sequence (1x to 40x): each row's maximum keeps passing its stale
+        # one by more than 2^8 in exp2 terms, so that the lazy rescale is taken, not only skipped.
+        ramp = torch.linspace(1, 40, seq_kv, device="cuda")[:, None]
+        k = (k.float() * ramp).half()
     kernel = tilelang.compile(
         fa3.program(b, h, kv_heads, seq_q, seq_kv, d, causal, "float16", cfg),
         target=_config.target("sm90"),
@@ -193,6 +212,7 @@ def test_the_rules_pin_fa3_exactly_inside_its_domain_and_ship_sdpa() -> None:
                         assert ch.config["pingpong"] == (mask == "causal"), f  # the probe's faster variant
                         # Causal blocks off the diagonal clear S in the wgmma (no mask select).
                         assert ch.config.get("clear", 0) == (mask == "causal"), f
+                        assert ch.config.get("lazy", 0) == 1, f  # both masks: O rescaled where a row moved
                         fa3.check(seq_q, seq_kv, head_dim, mask == "causal", ch.config)  # no refusal
                         # Every head's heaviest tile first exactly where all heads' K/V fit in 32 MiB.
                         fits = mask == "causal" and 4 * 8 * seq_kv * head_dim <= 32 << 20

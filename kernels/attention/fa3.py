@@ -34,7 +34,10 @@ S 16384, 1.5% at S 32768 and 6% on MHA batch 8, where they do not; sm90.toml set
 Knob `clear` (with p_sets 1): Q·Kᵀ clears S itself (wgmma's zero scale on the accumulator) wherever no
 key is masked, instead of a fill of S (zeros, or the causal mask's 0/-inf select per element) before
 every block; causal loops split in two, the blocks every row of the warpgroup sees whole, then the
-diagonal's. Not yet: a persistent grid. Each is measured alone.
+diagonal's. Knob `lazy`: a row keeps its stale maximum until the new one passes it by 2^LAZY_LOG2 in
+exp2 terms (P then at most 2^8, which fp16 and bf16 hold; O and the denominator share the stale
+scale, so O / denominator is unchanged), and O's rescale runs only where a warp's vote
+(`__any_sync`) finds a thread whose row moved. Not yet: a persistent grid. Each is measured alone.
 
 Knobs: heads_first (above), block_N (64 or 128 keys a block) and p_sets: 1 keeps P(j) in the registers that P·V(j-1)
 reads, so its cast waits for that wgmma (ptxas then waits before the softmax too: compiled here, the
@@ -51,6 +54,7 @@ have no bounds), causal only with equal lengths (top-left, as SDPA's is_causal).
 from typing import Any, NamedTuple
 
 LOG2E = 1.44269504
+LAZY_LOG2 = 8.0  # lazy: how far (in log2) a row's maximum may pass its stale one before O is rescaled
 ROWS = 64  # query rows a consumer warpgroup: one wgmma's M
 
 
@@ -67,6 +71,7 @@ class Frags(NamedTuple):
     rescale: Any
     row_sum: Any
     denom: Any
+    moved: Any  # lazy: whether any of this thread's rows took a new maximum in the last softmax
 
 
 class Ring(NamedTuple):
@@ -90,6 +95,8 @@ def check(seq_q: int, seq_kv: int, head_dim: int, causal: bool, cfg: dict[str, A
         )
     if (hf := cfg.get("heads_first", 0)) not in (0, 1) or (hf and not causal):
         raise ValueError(f"fa3: heads_first={hf!r}: 0, or 1 with a causal mask (a tile order for causal grids)")
+    if (lz := cfg.get("lazy", 0)) not in (0, 1):
+        raise ValueError(f"fa3: lazy={lz!r}: 0 or 1")
     if (cl := cfg.get("clear", 0)) not in (0, 1) or (cl and p_sets != 1):
         raise ValueError(f"fa3: clear={cl!r}: 0, or 1 with p_sets=1 (the loop of two blocks a turn is not split)")
     if p_sets == 2 and bn > 64:  # 2 x 32 registers of P beside S and O: ptxas spills and serializes (C7512)
@@ -127,21 +134,44 @@ def program(
     p_sets = int(cfg.get("p_sets", 1))
     pingpong = bool(cfg.get("pingpong", 0))
     clear = bool(cfg.get("clear", 0))
+    lazy = bool(cfg.get("lazy", 0))
 
     @T.macro
-    def softmax(s: Any, m_cur: Any, m_prev: Any, rescale: Any, row_sum: Any, denom: Any) -> None:
+    def softmax(s: Any, m_cur: Any, m_prev: Any, rescale: Any, row_sum: Any, denom: Any, moved: Any) -> None:
         T.copy(m_cur, m_prev)
         T.fill(m_cur, -T.infinity(acc))
         T.reduce_max(s, m_cur, dim=1, clear=False)
         for i in T.Parallel(ROWS):
             m_cur[i] = T.max(m_cur[i], m_prev[i])
-        for i in T.Parallel(ROWS):
-            rescale[i] = T.exp2(m_prev[i] * scale - m_cur[i] * scale)
+        if lazy:
+            # A row keeps its stale maximum unless the new one is more than 2^LAZY_LOG2 larger in
+            # exp2 terms: P then reaches at most 2^LAZY_LOG2 (fp16 and bf16 hold it), O and the
+            # denominator share the stale scale, and O's rescale is skipped where no row moved.
+            moved[0] = 0
+            for i in T.Parallel(ROWS):
+                m_cur[i] = T.if_then_else(m_cur[i] * scale - m_prev[i] * scale > LAZY_LOG2, m_cur[i], m_prev[i])
+            for i in T.Parallel(ROWS):
+                moved[0] = moved[0] | T.Cast("int32", m_cur[i] != m_prev[i])
+            for i in T.Parallel(ROWS):
+                rescale[i] = T.if_then_else(m_cur[i] == m_prev[i], 1.0, T.exp2(m_prev[i] * scale - m_cur[i] * scale))
+        else:
+            for i in T.Parallel(ROWS):
+                rescale[i] = T.exp2(m_prev[i] * scale - m_cur[i] * scale)
         for i, c in T.Parallel(ROWS, bn):
             s[i, c] = T.exp2(s[i, c] * scale - m_cur[i] * scale)
         T.reduce_sum(s, row_sum, dim=1)
         for i in T.Parallel(ROWS):
             denom[i] = denom[i] * rescale[i] + row_sum[i]
+
+    @T.macro
+    def rescale_o(c: Any) -> None:
+        if lazy:
+            if T.any_sync(c.moved[0]) != 0:  # warp-uniform: the whole warp skips, or none of it
+                for i, e in T.Parallel(ROWS, d):
+                    c.o[i, e] *= c.rescale[i]
+        else:
+            for i, e in T.Parallel(ROWS, d):
+                c.o[i, e] *= c.rescale[i]
 
     @T.macro
     def mask(s: Any, row0: Any, j: Any) -> None:
@@ -165,8 +195,7 @@ def program(
         if pingpong:  # this warpgroup's turn at the tensor cores: the other one's softmax runs meanwhile
             T.sync_threads(1 + w, 256)
         T.wgmma_gemm(c.q, r.k_s[j % 2, :, :], c.s, transpose_B=True, clear_accum=not masked)  # Q·Kᵀ(j)
-        for i, e in T.Parallel(ROWS, d):  # O to the scale of block j-1, before P·V(j-1) adds to it
-            c.o[i, e] *= c.rescale[i]
+        rescale_o(c)  # O to the scale of block j-1, before P·V(j-1) adds to it
         T.mbarrier_wait_parity(r.v_full[(j - 1) % 2], ((j - 1) // 2) & 1)
         T.wgmma_gemm(p_prev, r.v_s[(j - 1) % 2, :, :], c.o)  # P·V(j-1)
         if pingpong:
@@ -178,7 +207,7 @@ def program(
                 T.named_barrier_arrive(1, 256)
         T.wait_wgmma(1)  # Q·Kᵀ(j) done; P·V(j-1) may still run
         T.mbarrier_arrive(r.k_empty[j % 2])
-        softmax(c.s, c.m_cur, c.m_prev, c.rescale, c.row_sum, c.denom)
+        softmax(c.s, c.m_cur, c.m_prev, c.rescale, c.row_sum, c.denom, c.moved)
         if p_sets == 2:
             # P(j) into the other register set: P(j-1) is still read by the wgmma in flight. Cast
             # into the same registers, ptxas waits for that wgmma before the softmax, whose exps it
@@ -209,7 +238,7 @@ def program(
         T.wgmma_gemm(c.q, r.k_s[0, :, :], c.s, transpose_B=True, clear_accum=clear and not causal)
         T.wait_wgmma(0)
         T.mbarrier_arrive(r.k_empty[0])
-        softmax(c.s, c.m_cur, c.m_prev, c.rescale, c.row_sum, c.denom)
+        softmax(c.s, c.m_cur, c.m_prev, c.rescale, c.row_sum, c.denom, c.moved)
         T.copy(c.s, c.pa)
         if pingpong and w == 1 and n_blocks > 1:
             T.named_barrier_arrive(1, 256)  # consumer 0 takes the first turn
@@ -230,8 +259,7 @@ def program(
             if (n_blocks - 1) % 2 == 1:  # one block left: P(last) ends in pb
                 step(n_blocks - 1, c, r, c.pa, c.pb, row0, w, n_blocks)
         last = n_blocks - 1
-        for i, e in T.Parallel(ROWS, d):
-            c.o[i, e] *= c.rescale[i]
+        rescale_o(c)
         T.mbarrier_wait_parity(r.v_full[last % 2], (last // 2) & 1)
         if p_sets == 2 and last % 2 == 1:
             T.wgmma_gemm(c.pb, r.v_s[last % 2, :, :], c.o)
@@ -284,14 +312,15 @@ def program(
             rs1 = T.alloc_fragment((ROWS,), acc)
             dn0 = T.alloc_fragment((ROWS,), acc)
             dn1 = T.alloc_fragment((ROWS,), acc)
+            moved = T.alloc_local((1,), "int32")  # a thread runs one consumer: one flag serves both
             q_full = T.alloc_barrier([1, 1])
             k_full = T.alloc_barrier([1, 1])
             v_full = T.alloc_barrier([1, 1])
             k_empty = T.alloc_barrier([256, 256])  # every consumer thread releases
             v_empty = T.alloc_barrier([256, 256])
             # What the macros read, by name: a consumer's fragments, and the ring with its barriers.
-            c0 = Frags(q0, s0, pa0, pb0, o0, mc0, mp0, r0, rs0, dn0)
-            c1 = Frags(q1, s1, pa1, pb1, o1, mc1, mp1, r1, rs1, dn1)
+            c0 = Frags(q0, s0, pa0, pb0, o0, mc0, mp0, r0, rs0, dn0, moved)
+            c1 = Frags(q1, s1, pa1, pb1, o1, mc1, mp1, r1, rs1, dn1, moved)
             ring = Ring(k_s, v_s, q_full, k_full, v_full, k_empty, v_empty)
             kvh = by // groups
             # Causal: blocks past the diagonal of the tile's last row are skipped entirely.
