@@ -169,4 +169,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    # Asked first: the path is written only after every measurement (minutes of a GPU slot).
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: scripts/gemv-fixed-cost.py OUT.json")
     sys.exit(main())

@@ -268,3 +268,23 @@ def test_an_unaligned_view_on_the_gpu_falls_back_and_the_context_lives() -> None
     assert kernels.fallback_reasons("gemm") == {_dispatch.UNALIGNED: 2}
     aligned = a.clone()
     assert torch.isfinite(kernels.gemm(aligned, b, trans_b=True)).all()  # the context still runs kernels
+
+
+def test_the_fixed_cost_probe_asks_for_its_output_before_any_gpu_work_and_fits() -> None:
+    """scripts/gemv-fixed-cost.py writes its JSON after every measurement: without the path it
+    stops at once, not after a GPU slot's minutes. Its fit t = a + bytes / BW recovers a line."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gemv-fixed-cost.py"
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=False, timeout=300)
+    assert r.returncode != 0 and "usage: scripts/gemv-fixed-cost.py OUT.json" in r.stderr, r.stderr[-2000:]
+    spec = importlib.util.spec_from_file_location("gemv_fixed_cost", script)
+    assert spec is not None and spec.loader is not None
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    pts = [(b, 10.0 + b / 3e6) for b in (33.6e6, 50.3e6, 117.5e6, 235.0e6)]  # 10 µs, 3 TB/s
+    a_us, bytes_per_us = probe.fit(pts)
+    assert a_us == pytest.approx(10.0) and bytes_per_us / 1e6 == pytest.approx(3.0)
