@@ -139,16 +139,11 @@ def differences(bundle: Path, cwd: Path, home: bool = False) -> list[str]:
 
 
 def own_history(cwd: Path) -> bool:
-    """A repository with commits that `check` did not install (no .git/shallow of its own): the home
-    checkout, where a shallow file would cut the history at HEAD (session 22: the gate then failed
-    closed, finding no ancestor). The device's .git has no commits, or the one `check` installed."""
-    git = cwd / ".git"
-    if not git.is_dir() or (git / "shallow").exists():
-        return False
-    head = subprocess.run(
-        ["git", "rev-parse", "--verify", "--quiet", "HEAD^{commit}"], cwd=cwd, capture_output=True, check=False
-    )
-    return head.returncode == 0
+    """A repository where HEAD has ancestors: the home checkout (or a worktree of it, or a clone of
+    some depth), whose history `check` would cut at HEAD (session 22: the gate then failed closed,
+    finding no ancestor). The device's .git has no commits, or the one commit `check` installed."""
+    count = subprocess.run(["git", "rev-list", "--count", "HEAD"], cwd=cwd, capture_output=True, text=True, check=False)
+    return count.returncode == 0 and count.stdout.strip().isdigit() and int(count.stdout) > 1
 
 
 def check(bundle: Path, cwd: Path) -> int:
@@ -159,6 +154,14 @@ def check(bundle: Path, cwd: Path) -> int:
                 file=sys.stderr,
             )
             return 2
+    # First: in the home checkout nothing below may run, whatever the tree holds.
+    if own_history(cwd):
+        print(
+            f"device-tree: {cwd} has a history of its own: `check` makes its repository a one-commit shallow"
+            " clone (the device's), which hides every ancestor from the gate; run it on the device only",
+            file=sys.stderr,
+        )
+        return 2
     diff = differences(bundle, cwd)
     if diff:
         print(
@@ -170,13 +173,6 @@ def check(bundle: Path, cwd: Path) -> int:
     ident = json.loads((bundle / "git.json").read_text(encoding="utf-8"))
     # The code commit as a shallow repository of one commit and its trees: what asv asks git.
     git = cwd / ".git"
-    if own_history(cwd):
-        print(
-            f"device-tree: {cwd} has a history of its own: `check` makes its repository a one-commit shallow"
-            " clone (the device's), which hides every ancestor from the gate; run it on the device only",
-            file=sys.stderr,
-        )
-        return 2
     if not git.is_dir():
         _git("init", "-q", cwd=cwd)
     pack_dir = git / "objects" / "pack"

@@ -93,6 +93,27 @@ def test_check_refuses_a_checkout_with_its_own_history(sent: tuple[Path, Path]) 
         assert r.returncode == 0, r.stderr
 
 
+def test_check_refuses_a_worktree_and_a_shallow_clone_of_some_depth(sent: tuple[Path, Path], tmp_path: Path) -> None:
+    """The history is HEAD's ancestors, wherever git keeps them: a worktree (its .git a file) and a
+    clone of depth 3 (a .git/shallow of its own) are refused as the home checkout is, in one line."""
+    clone, _ = sent
+    wt = tmp_path / "wt"
+    git("worktree", "add", "-q", "--detach", str(wt), cwd=clone)
+    shutil.copytree(clone / ".device", wt / ".device")
+    shallow = tmp_path / "shallow"
+    git("clone", "-q", "--depth", "3", f"file://{clone}", str(shallow), cwd=tmp_path)
+    shutil.copytree(clone / ".device", shallow / ".device")
+    try:
+        for tree in (wt, shallow):
+            before = git("rev-list", "--count", "HEAD", cwd=tree)
+            r = tool("check", tree / ".device", tree)
+            assert r.returncode == 2 and "history of its own" in r.stderr, r.stderr
+            assert "\n" not in r.stderr.strip() and "Traceback" not in r.stderr, r.stderr
+            assert git("rev-list", "--count", "HEAD", cwd=tree) == before and int(before) > 1
+    finally:
+        git("worktree", "remove", "--force", str(wt), cwd=clone)
+
+
 @pytest.mark.parametrize("how", ["changed", "untracked", "missing", "mode", "linked-folder"])
 def test_a_tree_that_is_not_the_commit_is_refused_in_one_line(
     sent: tuple[Path, Path], tmp_path: Path, how: str
