@@ -128,7 +128,7 @@ def test_the_decode_block_compiles_with_the_shipped_calls(batch: int, device: st
 def test_keeps_framework_agrees_with_the_run_time_choice() -> None:
     """The trace-time walk and kernels._config's own resolution, over a grid of facts of every op on
     both configured devices: the same backend everywhere."""
-    mods = {op: __import__("kernels").operator_module(op) for op in ("gemm", "attention", "decode")}
+    mods = {op: __import__("kernels").operator_module(op) for op in ("gemm", "attention", "decode", "swiglu")}
     grid: dict[str, list[dict[str, object]]] = {
         "gemm": [
             mods["gemm"].facts(m, n, k, layout, dt)
@@ -152,6 +152,13 @@ def test_keeps_framework_agrees_with_the_run_time_choice() -> None:
             for c in (1, 128, 4095, 4096, 16383, 16384, 65536, 131072)
             for dt in ("float16", "bfloat16")
             for full in (False, True)
+        ],
+        "swiglu": [  # the block's MLP input (tilepilot_kernels::swiglu): one row ships, the rest does not
+            mods["swiglu"].facts(m, hidden, inter, dt)
+            for m in (1, 2, 8, 9, 64, 65, 4096)
+            for hidden in (1000, 1024, 4096)
+            for inter in (1000, 1024, 14336)
+            for dt in ("float16", "bfloat16")
         ],
     }
     for device in ("sm90", "sm80"):
