@@ -140,16 +140,22 @@ def test_domain_is_refused_in_one_line(seq: int, head_dim: int, causal: bool, cf
         (True, 2, 1024, 1024, {"block_N": 64, "p_sets": 2, "pingpong": 1}),
         (False, 8, 256, 192, {"block_N": 64, "p_sets": 2, "pingpong": 1}),
         # clear: unmasked blocks clear S in the wgmma; causal loops split at the diagonal.
-        (True, 8, 2048, 2048, {"block_N": 128, "pingpong": 1, "clear": 1}),  # sm90.toml's causal config
-        (True, 8, 2048, 2048, {"block_N": 128, "pingpong": 1, "heads_first": 1, "clear": 1}),
-        (True, 2, 1024, 1024, {"block_N": 64, "clear": 1}),  # two diagonal blocks, one wholly masked
-        (True, 8, 2048, 2048, {"block_N": 128, "head_dim": 64, "clear": 1}),
-        (False, 8, 256, 192, {"block_N": 64, "clear": 1}),  # not causal: every block cleared
+        pytest.param(True, 8, 2048, 2048, {"block_N": 128, "pingpong": 1, "clear": 1}, id="clear-causal"),
+        pytest.param(
+            True, 8, 2048, 2048, {"block_N": 128, "pingpong": 1, "heads_first": 1, "clear": 1}, id="clear-heads-first"
+        ),
+        # Two diagonal blocks, one wholly masked.
+        pytest.param(True, 2, 1024, 1024, {"block_N": 64, "clear": 1}, id="clear-block64"),
+        pytest.param(True, 8, 2048, 2048, {"block_N": 128, "head_dim": 64, "clear": 1}, id="clear-d64"),
+        pytest.param(False, 8, 256, 192, {"block_N": 64, "clear": 1}, id="clear-not-causal"),
         # lazy: a row keeps its stale maximum within 2^8, and O's rescale is skipped where none moved.
-        (False, 8, 2048, 2048, {"block_N": 128, "lazy": 1}),  # sm90.toml's non-causal config
-        (True, 8, 2048, 2048, {"block_N": 128, "pingpong": 1, "clear": 1, "lazy": 1}),  # and causal
-        (True, 2, 1024, 1024, {"block_N": 64, "p_sets": 2, "lazy": 1}),
-        (False, 8, 2048, 2048, {"block_N": 128, "lazy": 1, "spread": 1}),  # scores over 2^8: rescales taken
+        pytest.param(False, 8, 2048, 2048, {"block_N": 128, "lazy": 1}, id="lazy-pinned-not-causal"),
+        pytest.param(
+            True, 8, 2048, 2048, {"block_N": 128, "pingpong": 1, "clear": 1, "lazy": 1}, id="lazy-pinned-causal"
+        ),
+        pytest.param(True, 2, 1024, 1024, {"block_N": 64, "p_sets": 2, "lazy": 1}, id="lazy-p-sets-2"),
+        # Keys that climb: scores pass the stale maximum by over 2^8, so the rescale is taken.
+        pytest.param(False, 8, 2048, 2048, {"block_N": 128, "lazy": 1, "spread": 1}, id="lazy-taken"),
     ],
 )
 def test_values_against_float64(causal: bool, kv_heads: int, seq_q: int, seq_kv: int, cfg: dict[str, Any]) -> None:
