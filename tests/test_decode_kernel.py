@@ -252,6 +252,39 @@ def test_kernel_matches_exact(
         torch.testing.assert_close(decode.reference(q, k, v, None), decode.reference(q, k, v, cl))
 
 
+DECODE_TILE = {"block_M": 64, "block_N": 128, "num_splits": 4, "num_stages": 2, "threads": 128}
+CHUNK_TILE = {"block_M": 128, "block_N": 128, "num_splits": 8, "num_stages": 2, "threads": 256}
+
+
+@pytest.mark.skipif(not GPU, reason="no GPU with a pinned config")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("b", "sq", "s_max", "cfg"),
+    [
+        # Decode's tile: each sequence's last block alone is masked, the others run unmasked.
+        pytest.param(4, 1, 8192, DECODE_TILE | {"tail_mask": 1}, id="decode-tail"),
+        # The chunk tile: 400 rows a kv head (128-row blocks, the last one padded), lengths 100 to
+        # 6000, the shortest one all chunk (its first query sees key 0 alone).
+        pytest.param(2, 100, 6000, CHUNK_TILE | {"tail_mask": 1}, id="chunk-tail"),
+        pytest.param(2, 100, 6000, CHUNK_TILE, id="chunk-every-block"),
+    ],
+)
+def test_tail_mask_matches_exact(b: int, sq: int, s_max: int, cfg: dict[str, int], dtype: torch.dtype) -> None:
+    """`tail_mask` masks only the key blocks past the first query's last key: every other block's
+    scores go unmasked, the padding rows' included, and none of it may reach the output."""
+    device = _config.device_for_capability(*torch.cuda.get_device_capability())
+    assert device is not None
+    lens = torch.linspace(max(sq, s_max // 100), s_max, b).round().int().tolist()
+    q, k, v, cl = inputs(b, 32, 8, sq, s_max, 128, lens, dtype, "cuda")
+    kernel = decode.build(b, 32, 8, sq, s_max, 128, decode.DTYPES[dtype], device, cfg=cfg)
+    out = torch.full_like(q, float("nan"))
+    decode.launch(kernel, q, k, v, cl, out)
+    exact = decode.reference_exact(q, k, v, cl)
+    assert torch.isfinite(out).all()
+    err = (out.double() - exact).norm() / exact.norm()
+    assert err < (3e-3 if dtype == torch.float16 else 2e-2), err
+
+
 # -- compile-only: TileLang lowers and nvcc builds the kernel for both devices, no GPU needed ------------
 
 

@@ -69,6 +69,7 @@ def program(
     plan = _plan(heads, kv_heads, seq_q, cache_len, cfg)
     rows, row_blocks = plan["rows"], plan["row_blocks"]
     splits, cm = plan["splits"], plan["combine_m"]
+    tail_mask = int(cfg.get("tail_mask", 0))
     scale = (1.0 / d) ** 0.5 * LOG2E  # softmax in base 2: exp(x) = exp2(x * log2 e)
     acc = "float32"
     neg_inf = -T.infinity(acc)
@@ -122,12 +123,22 @@ def program(
                 T.clear(s)
                 T.gemm(q_s, k_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 # Causal bottom-right and the valid length; a select, so garbage past L_b cannot leak.
-                for i, j in T.Parallel(bm, bn):
-                    s[i, j] = T.if_then_else(
-                        T.And(rb * bm + i < rows, (first + kb) * bn + j <= seqlen - seq_q + (rb * bm + i) % seq_q),
-                        s[i, j],
-                        neg_inf,
-                    )
+                if tail_mask:
+                    # Only the key blocks past the first query's last key (j <= L_b - Sq) hold a masked
+                    # key: a chunk of 128 queries against 32k keys masks 2 of 256 blocks, not all 256.
+                    # The padding rows (q = 0) then score 0, finite, and are never written.
+                    if (first + kb + 1) * bn > seqlen - seq_q + 1:
+                        for i, j in T.Parallel(bm, bn):
+                            s[i, j] = T.if_then_else(
+                                (first + kb) * bn + j <= seqlen - seq_q + (rb * bm + i) % seq_q, s[i, j], neg_inf
+                            )
+                else:
+                    for i, j in T.Parallel(bm, bn):
+                        s[i, j] = T.if_then_else(
+                            T.And(rb * bm + i < rows, (first + kb) * bn + j <= seqlen - seq_q + (rb * bm + i) % seq_q),
+                            s[i, j],
+                            neg_inf,
+                        )
                 T.copy(m_cur, m_prev)
                 T.fill(m_cur, neg_inf)
                 T.reduce_max(s, m_cur, dim=1, clear=False)
@@ -204,6 +215,7 @@ def tunable(
     """The program as TileLang's AutoTuner takes it (see kernels.gemm.tunable); `full` is a fact of
     the call, not of the program."""
     knobs = {key: int(base[key]) for key in ("block_M", "block_N", "num_splits", "num_stages", "threads")}
+    tail_mask = int(base.get("tail_mask", 0))  # a pinned choice, not a tuning axis (a scalar: see tests/test_tune.py)
 
     def fn(
         block_M: int = knobs["block_M"],
@@ -218,6 +230,7 @@ def tunable(
             "num_splits": num_splits,
             "num_stages": num_stages,
             "threads": threads,
+            "tail_mask": tail_mask,
         }
         return program(batch, heads, kv_heads, seq_q, cache_len, head_dim, dtype, cfg)
 
