@@ -140,10 +140,19 @@ def differences(bundle: Path, cwd: Path, home: bool = False) -> list[str]:
 
 def own_history(cwd: Path) -> bool:
     """A repository where HEAD has ancestors: the home checkout (or a worktree of it, or a clone of
-    some depth), whose history `check` would cut at HEAD (session 22: the gate then failed closed,
-    finding no ancestor). The device's .git has no commits, or the one commit `check` installed."""
+    some depth), or a device copy that carries the checkout's .git (seen 2026-12-07; NOTES.md of
+    2026-12-02 saw a .git with no commits). Installing the one-commit shallow repository there would
+    cut the history at HEAD (session 22: the gate then failed closed, finding no ancestor)."""
     count = subprocess.run(["git", "rev-list", "--count", "HEAD"], cwd=cwd, capture_output=True, text=True, check=False)
     return count.returncode == 0 and count.stdout.strip().isdigit() and int(count.stdout) > 1
+
+
+def holds(commit: str, cwd: Path) -> bool:
+    """Whether the repository knows the commit and its date (what asv asks git)."""
+    r = subprocess.run(
+        ["git", "rev-list", "-n", "1", "--format=%at", commit], cwd=cwd, capture_output=True, text=True, check=False
+    )
+    return r.returncode == 0 and r.stdout.split()[-1:] != [] and r.stdout.split()[-1].isdigit()
 
 
 def check(bundle: Path, cwd: Path) -> int:
@@ -154,11 +163,14 @@ def check(bundle: Path, cwd: Path) -> int:
                 file=sys.stderr,
             )
             return 2
-    # First: in the home checkout nothing below may run, whatever the tree holds.
-    if own_history(cwd):
+    ident = json.loads((bundle / "git.json").read_text(encoding="utf-8"))
+    # A repository with a history of its own is never written to: it either holds the commit
+    # already (asv finds it there) or is not the commit's at all.
+    history = own_history(cwd)
+    if history and not holds(ident["commit"], cwd):
         print(
-            f"device-tree: {cwd} has a history of its own: `check` makes its repository a one-commit shallow"
-            " clone (the device's), which hides every ancestor from the gate; run it on the device only",
+            f"device-tree: {cwd} has a history of its own without {ident['commit'][:12]}: run"
+            " scripts/device-bundle.sh at this checkout's HEAD",
             file=sys.stderr,
         )
         return 2
@@ -170,7 +182,9 @@ def check(bundle: Path, cwd: Path) -> int:
             file=sys.stderr,
         )
         return 2
-    ident = json.loads((bundle / "git.json").read_text(encoding="utf-8"))
+    if history:
+        print(json.dumps(ident))
+        return 0
     # The code commit as a shallow repository of one commit and its trees: what asv asks git.
     git = cwd / ".git"
     if not git.is_dir():

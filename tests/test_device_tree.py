@@ -79,39 +79,60 @@ def test_the_device_tree_is_the_commit_and_asv_finds_it(sent: tuple[Path, Path])
     assert when == git("log", "-1", "--format=%at", ident["commit"], cwd=clone).strip()
 
 
-def test_check_refuses_a_checkout_with_its_own_history(sent: tuple[Path, Path]) -> None:
-    """`check` installs a one-commit shallow repository: in the home checkout that would cut the
-    history at HEAD (the gate then finds no ancestor). It refuses there, writing nothing, and runs
-    again on the device's copy once installed (a warm machine's second call)."""
+def test_check_writes_nothing_into_a_checkout_with_its_own_history(sent: tuple[Path, Path]) -> None:
+    """`check` installs a one-commit shallow repository where the copy's .git has no commits: in a
+    repository with a history (the home checkout, or a device copy that carries its .git, as the
+    H100 of 2026-12-07 did) that would cut the history at HEAD, and the gate would find no ancestor.
+    There it checks the tree and prints the identity, writing nothing; the device's copy runs again
+    once installed (a warm machine's second call)."""
     clone, dev = sent
+    before = git("rev-list", "--count", "HEAD", cwd=clone)
     r = tool("check", clone / ".device", clone)
-    assert r.returncode == 2 and "history of its own" in r.stderr and "\n" not in r.stderr.strip(), r.stderr
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["commit"] == json.loads((clone / ".device" / "git.json").read_text())["commit"]
     assert not (clone / ".git" / "shallow").exists()
-    assert int(git("rev-list", "--count", "HEAD", cwd=clone)) > 1
+    assert git("rev-list", "--count", "HEAD", cwd=clone) == before and int(before) > 1
     for _ in range(2):
         r = tool("check", dev / ".device", dev)
         assert r.returncode == 0, r.stderr
 
 
-def test_check_refuses_a_worktree_and_a_shallow_clone_of_some_depth(sent: tuple[Path, Path], tmp_path: Path) -> None:
+def test_worktree_and_shallow_clone_keep_their_history(sent: tuple[Path, Path], tmp_path: Path) -> None:
     """The history is HEAD's ancestors, wherever git keeps them: a worktree (its .git a file) and a
-    clone of depth 3 (a .git/shallow of its own) are refused as the home checkout is, in one line."""
+    clone of depth 3 (a .git/shallow of its own) pass as the home checkout does, their depth kept."""
     clone, _ = sent
     wt = tmp_path / "wt"
     git("worktree", "add", "-q", "--detach", str(wt), cwd=clone)
+    git("sparse-checkout", "set", "--no-cone", *_load().SPARSE, cwd=wt)  # type: ignore[attr-defined]
     shutil.copytree(clone / ".device", wt / ".device")
     shallow = tmp_path / "shallow"
-    git("clone", "-q", "--depth", "3", f"file://{clone}", str(shallow), cwd=tmp_path)
+    git("clone", "-q", "--no-checkout", "--depth", "3", f"file://{clone}", str(shallow), cwd=tmp_path)
+    git("sparse-checkout", "set", "--no-cone", *_load().SPARSE, cwd=shallow)  # type: ignore[attr-defined]
+    git("checkout", "-q", "HEAD", cwd=shallow)
     shutil.copytree(clone / ".device", shallow / ".device")
     try:
         for tree in (wt, shallow):
             before = git("rev-list", "--count", "HEAD", cwd=tree)
             r = tool("check", tree / ".device", tree)
-            assert r.returncode == 2 and "history of its own" in r.stderr, r.stderr
-            assert "\n" not in r.stderr.strip() and "Traceback" not in r.stderr, r.stderr
+            assert r.returncode == 0, r.stderr
             assert git("rev-list", "--count", "HEAD", cwd=tree) == before and int(before) > 1
     finally:
         git("worktree", "remove", "--force", str(wt), cwd=clone)
+
+
+def test_a_history_without_the_commit_is_refused_in_one_line(sent: tuple[Path, Path], tmp_path: Path) -> None:
+    """A repository with commits of its own that never held the bundle's commit is not the commit's:
+    refused in one line, its .git untouched."""
+    _, dev = sent
+    tree = tmp_path / "other"
+    shutil.copytree(dev, tree, ignore=shutil.ignore_patterns(".git"))
+    git("init", "-q", cwd=tree)
+    for n in range(2):
+        git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "--allow-empty", "-m", f"c{n}", cwd=tree)
+    r = tool("check", tree / ".device", tree)
+    assert r.returncode == 2 and "history of its own without" in r.stderr, r.stderr
+    assert "\n" not in r.stderr.strip() and "Traceback" not in r.stderr, r.stderr
+    assert not (tree / ".git" / "shallow").exists()
 
 
 @pytest.mark.parametrize("how", ["changed", "untracked", "missing", "mode", "linked-folder"])
