@@ -130,6 +130,8 @@ def differences(bundle: Path, cwd: Path, home: bool = False) -> list[str]:
         ]
         rel = here.relative_to(cwd)
         for f in filenames:
+            if here == cwd and f == ".git":  # a worktree's .git is a file naming its repository
+                continue
             path = str(rel / f) if str(rel) != "." else f
             # What the run writes under results/ is its output, not the code it measures.
             if path not in want and not path.startswith("results/"):
