@@ -141,10 +141,9 @@ def differences(bundle: Path, cwd: Path, home: bool = False) -> list[str]:
 
 
 def own_history(cwd: Path) -> bool:
-    """A repository where HEAD has ancestors: the home checkout (or a worktree of it, or a clone of
-    some depth), or a device copy that carries the checkout's .git (seen 2026-12-07; NOTES.md of
-    2026-12-02 saw a .git with no commits). Installing the one-commit shallow repository there would
-    cut the history at HEAD (session 22: the gate then failed closed, finding no ancestor)."""
+    """A repository where HEAD has ancestors: the home checkout, a worktree of it, a clone of some
+    depth (session 22: a shallow install there cut the history and the gate failed closed, finding
+    no ancestor), or the device copy's .git when the lending tool made commits of its own."""
     count = subprocess.run(["git", "rev-list", "--count", "HEAD"], cwd=cwd, capture_output=True, text=True, check=False)
     return count.returncode == 0 and count.stdout.strip().isdigit() and int(count.stdout) > 1
 
@@ -166,16 +165,10 @@ def check(bundle: Path, cwd: Path) -> int:
             )
             return 2
     ident = json.loads((bundle / "git.json").read_text(encoding="utf-8"))
-    # A repository with a history of its own is never written to: it either holds the commit
-    # already (asv finds it there) or is not the commit's at all.
-    history = own_history(cwd)
-    if history and not holds(ident["commit"], cwd):
-        print(
-            f"device-tree: {cwd} has a history of its own without {ident['commit'][:12]}: run"
-            " scripts/device-bundle.sh at this checkout's HEAD",
-            file=sys.stderr,
-        )
-        return 2
+    # A repository that holds the commit with its ancestors (the home checkout) is never written to:
+    # a one-commit shallow install would cut its history at HEAD. The device's copy has a .git of its
+    # own, with no commits (2026-12-02) or commits of the lending tool's (2026-12-07), never this one.
+    known = own_history(cwd) and holds(ident["commit"], cwd)
     diff = differences(bundle, cwd)
     if diff:
         print(
@@ -184,7 +177,7 @@ def check(bundle: Path, cwd: Path) -> int:
             file=sys.stderr,
         )
         return 2
-    if history:
+    if known:
         print(json.dumps(ident))
         return 0
     # The code commit as a shallow repository of one commit and its trees: what asv asks git.
