@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from kernels import _config, _dispatch
 
@@ -338,16 +339,24 @@ def reference(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor | None
 ) -> torch.Tensor:
     """The fastest correct SDPA call: no mask where one query per sequence sees its whole cache,
-    otherwise the mask the lengths imply (SDPA has no bottom-right mask of its own with GQA)."""
+    SDPA's own bottom-right causal bias where several do, otherwise the mask the lengths imply."""
     gqa = q.shape[1] != k_cache.shape[1]
     sq, s_max = q.shape[2], k_cache.shape[2]
     if cache_seqlens is None:
         if sq == 1:
             return F.scaled_dot_product_attention(q, k_cache, v_cache, enable_gqa=gqa)
-        # Bottom-right causal over the whole cache: one (Sq, S_max) mask for the batch, from shapes
-        # only (no per-batch lengths, nothing for torch.compile to fix as a constant).
-        m = torch.ones(sq, s_max, dtype=torch.bool, device=q.device).tril(s_max - sq)
-        return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=m, enable_gqa=gqa)
+        # Bottom-right causal over the whole cache, from shapes only (nothing for torch.compile to
+        # fix as a constant). The bias, not a bool mask: flash attention takes it, GQA kept. On the
+        # chunked-prefill cases it ran at 2.0-3.6x the bool mask's speed for 64-256 queries and 0.97x
+        # at 512, at a tenth to 0.7x its memory from 128 queries (H100, f0f3762,
+        # scripts/chunk-sdpa-probe.py; docs/perf-notes.md, session 25).
+        # Under torch.compile the bias's constructor breaks the graph (torch 2.13): the bool mask there.
+        if torch.compiler.is_compiling():
+            m = torch.ones(sq, s_max, dtype=torch.bool, device=q.device).tril(s_max - sq)
+            return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=m, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q, k_cache, v_cache, attn_mask=causal_lower_right(sq, s_max), enable_gqa=gqa
+        )
     m = mask(cache_seqlens.to(q.device), sq, s_max)
     return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=m, enable_gqa=gqa)
 
