@@ -267,6 +267,9 @@ CHUNK_TILE = {"block_M": 128, "block_N": 128, "num_splits": 8, "num_stages": 2, 
         # 6000, the shortest one all chunk (its first query sees key 0 alone).
         pytest.param(2, 100, 6000, CHUNK_TILE | {"tail_mask": 1}, id="chunk-tail"),
         pytest.param(2, 100, 6000, CHUNK_TILE, id="chunk-every-block"),
+        # One split: the split pass writes O itself (no partials, no combine), padding rows skipped.
+        pytest.param(2, 100, 6000, CHUNK_TILE | {"tail_mask": 1, "num_splits": 1}, id="chunk-one-split"),
+        pytest.param(4, 1, 8192, DECODE_TILE | {"num_splits": 1}, id="decode-one-split"),
     ],
 )
 def test_tail_mask_matches_exact(b: int, sq: int, s_max: int, cfg: dict[str, int], dtype: torch.dtype) -> None:
@@ -288,7 +291,7 @@ def test_tail_mask_matches_exact(b: int, sq: int, s_max: int, cfg: dict[str, int
 # -- compile-only: TileLang lowers and nvcc builds the kernel for both devices, no GPU needed ------------
 
 
-@pytest.mark.parametrize(("device", "shape"), [("sm90", (2, 8, 8, 1, 1, 64)), ("sm80", (1, 16, 4, 77, 4097, 128))])
+@pytest.mark.parametrize(("device", "shape"), [("sm90", (2, 8, 8, 1, 4096, 64)), ("sm80", (1, 16, 4, 77, 4097, 128))])
 def test_compiles(device: str, shape: tuple[int, int, int, int, int, int]) -> None:
     if shutil.which("nvcc") is None:
         pytest.fail("nvcc is not on PATH: compile-only checks need CUDA's nvcc (CUDA 13.0)")
@@ -307,3 +310,31 @@ def test_compiles(device: str, shape: tuple[int, int, int, int, int, int]) -> No
     assert src.count("__global__ void __launch_bounds__") == 2  # the split pass and the combine
     assert "mma" in src
     assert ("wgmma" in src) == (device == "sm90")
+
+
+@pytest.mark.parametrize("device", ["sm90", "sm80"])
+def test_one_split_writes_o_itself(device: str) -> None:
+    """A single split (one cache block here; 512 queries of a chunk by the pinned rule) normalizes
+    and writes O in the split pass: no combine kernel, and the workspaces one element each."""
+    if shutil.which("nvcc") is None:
+        pytest.fail("nvcc is not on PATH: compile-only checks need CUDA's nvcc (CUDA 13.0)")
+    import tilelang
+
+    shape = (2, 8, 8, 1, 1, 64)
+    cfg = _config.choose(device, "decode", decode.facts(*shape, "float16"))
+    assert cfg is not None
+    kernel = tilelang.compile(decode.program(*shape, "float16", cfg.config), target=_config.target(device))
+    assert [[int(x) for x in p.shape] for p in kernel.params[4:6]] == [[1], [1]]
+    src = kernel.get_kernel_source()
+    assert src.count("__global__ void __launch_bounds__") == 1
+
+
+def test_the_pinned_chunk_of_512_has_one_split_and_no_combine() -> None:
+    """The 512-query chunk's pinned config (sm90) is one split, so its program has one kernel and no
+    fp32 partials (8 MiB of them at 512 queries over 32k before; SDPA's call takes 4 MiB)."""
+    facts = decode.facts(1, 32, 8, 512, 32768, 128, "bfloat16", full=True)
+    ch = _config.choose("sm90", "decode", facts)
+    assert ch is not None and int(ch.config["num_splits"]) == 1
+    fn = decode.program(1, 32, 8, 512, 32768, 128, "bfloat16", ch.config)
+    assert [[int(x) for x in fn.buffer_map[p].shape] for p in fn.params[4:6]] == [[1], [1]]
+    assert fn.script().count('"blockIdx.x"') == 1
