@@ -210,6 +210,7 @@ def test_config_and_tunable() -> None:
 
 GPU_CASES = [
     (1, 32, 8, 1, 4096, 128, "uniform"),
+    (1, 32, 8, 128, 4096, 128, "uniform"),  # a chunk over a full cache: the reference's bias path
     (4, 32, 8, 1, 8192, 128, "ragged"),
     (3, 32, 8, 16, 2048, 128, "ragged"),
     (1, 16, 4, 77, 4097, 128, "ragged"),
@@ -249,7 +250,12 @@ def test_kernel_matches_exact(
         full = torch.full_like(q, float("nan"))
         decode.launch(kernel, q, k, v, None, full)
         assert torch.equal(full, out)
-        torch.testing.assert_close(decode.reference(q, k, v, None), decode.reference(q, k, v, cl))
+        ref = decode.reference(q, k, v, None)  # several queries: SDPA's bottom-right bias, GQA kept
+        assert torch.isfinite(ref).all()
+        ref_err = (ref.double() - exact).norm() / exact.norm()
+        assert ref_err < (3e-3 if dtype == torch.float16 else 2e-2), ref_err
+        if sq == 1:
+            torch.testing.assert_close(ref, decode.reference(q, k, v, cl))
 
 
 DECODE_TILE = {"block_M": 64, "block_N": 128, "num_splits": 4, "num_stages": 2, "threads": 128}

@@ -364,8 +364,10 @@ def reference(
         # chunked-prefill cases it ran at 2.0-3.6x the bool mask's speed for 64-256 queries and 0.97x
         # at 512, at a tenth to 0.7x its memory from 128 queries (H100, f0f3762,
         # scripts/chunk-sdpa-probe.py; docs/perf-notes.md, session 25).
-        # Under torch.compile the bias's constructor breaks the graph (torch 2.13): the bool mask there.
-        if torch.compiler.is_compiling():
+        # Under torch.compile the bias's constructor breaks the graph (torch 2.13): the bool mask
+        # there; and where the queries outnumber the keys (a fallback's case) the bias warns of NaN
+        # rows on every call, which the mask gives as zeros.
+        if torch.compiler.is_compiling() or sq > s_max:
             m = torch.ones(sq, s_max, dtype=torch.bool, device=q.device).tril(s_max - sq)
             return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=m, enable_gqa=gqa)
         return F.scaled_dot_product_attention(
