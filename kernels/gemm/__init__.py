@@ -7,18 +7,21 @@ from typing import Any
 import torch
 
 from kernels import _config, _dispatch
-from kernels.gemm import gemv
+from kernels.gemm import gemv, ws
 
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]) -> Any:
     """The TileLang prim_func for one static shape; `cfg` holds tile sizes, stages and threads, or
-    `schedule = "gemv"` and that schedule's knobs (kernels/gemm/gemv.py: a few rows, nt)."""
+    `schedule = "gemv"` and that schedule's knobs (kernels/gemm/gemv.py: a few rows, nt), or
+    `schedule = "ws"` (kernels/gemm/ws.py: persistent and warp-specialized by hand, sm_90a only)."""
     if (schedule := cfg.get("schedule", "auto")) == "gemv":
         return gemv.program(m, n, k, layout, dtype, cfg)
+    if schedule == "ws":
+        return ws.program(m, n, k, layout, dtype, cfg)
     if schedule != "auto":
-        raise ValueError(f"gemm: schedule {schedule!r} is 'auto' (the tiled kernel) or 'gemv'")
+        raise ValueError(f"gemm: schedule {schedule!r} is 'auto' (the tiled kernel), 'gemv' or 'ws'")
     import tilelang.language as T
 
     bm, bn, bk = cfg["block_M"], cfg["block_N"], cfg["block_K"]

@@ -82,9 +82,9 @@ class Gemm(Operator):
         return a @ (b.t() if case.variant == "nt" else b)
 
     def repro_modules(self) -> list[ModuleType]:
-        from kernels.gemm import gemv
+        from kernels.gemm import gemv, ws
 
-        return [gemv]
+        return [gemv, ws]
 
     def repro_code(self) -> str:
         return """

@@ -1,0 +1,187 @@
+"""A persistent, warp-specialized GEMM for sm_90a, scheduled by hand (issue 21): `schedule = "ws"`,
+pinned nowhere yet; `scripts/gemm-ws-probe.py` checks and measures it before any rule may.
+
+Why: the pinned kernel (kernels.gemm, TileLang's automatic pipeline) runs at 0.967x torch.matmul on
+the representative shapes, and the SASS shows the k-loop is not where the gap is: each tile pays
+its pipeline's fill and its epilogue with the tensor cores idle, and a grid of fresh blocks pays
+that per tile (docs/perf-notes.md, "What bounds the GEMM goal"). TileLang's
+`PersistentTileScheduler` kept the automatic pipeline, which still fills and drains per tile, and
+ran 4-6% slower (session 5). Here nothing is automatic:
+
+- One block an SM (`workers`), 384 threads: warpgroups 0 and 1 are consumers, 64 rows each of a
+  128-row tile (one wgmma's M), warpgroup 2 the producer. The blocks walk the tiles in turn
+  (tile = block + i * workers), in panels of `panel` tile rows so that the tiles in flight share
+  their rows of A and columns of B in L2.
+- The producer loads each k-step's A rows (one box a consumer) and B tile by TMA into a ring of
+  `num_stages` stages guarded by full/empty mbarriers. The ring runs on across tiles: while the
+  consumers finish a tile and store it, the producer is already loading the next tile's first
+  stages, so the next tile's wgmmas start on data already in shared memory.
+- Each consumer keeps one k-step's wgmmas in flight: it issues k-step j, waits for j-1
+  (`T.wait_wgmma(1)`) and only then releases j-1's stage; the first k-step is peeled and clears the
+  accumulator itself (wgmma's zero scale), so no fill of C precedes a tile.
+- Registers: consumers 232 (a 64 x 256 fp32 accumulator is 128 a thread), the producer 40
+  (`T.set_max_nreg`; 2 x 128 x 232 + 128 x 40 = 64512 of the SM's 65536).
+- Epilogue "direct": each thread stores its fragment's pieces to global memory. "smem": the fragment
+  goes to the consumer's own shared tile, then one TMA store; a tile's store waits for the previous
+  tile's store to have read the shared tile.
+
+Knobs: block_N (128 or 256), num_stages, epilogue, workers (resident blocks: the SM count, 132 on
+the H100 SXM and the H200), panel.
+
+The domain is what the probe needs, said and refused outside it: nt (nn.Linear's layout) and nn, M a
+multiple of 128, N of block_N, K of block_K (the TMA boxes and the stores have no bounds), K at least
+two k-steps.
+"""
+# No `from __future__ import annotations` here: TileLang evaluates the prim_func annotations itself.
+
+from typing import Any
+
+ROWS = 64  # rows of C a consumer warpgroup: one wgmma's M
+BM = 2 * ROWS  # rows of C a tile
+
+
+def check(m: int, n: int, k: int, layout: str, cfg: dict[str, Any]) -> None:
+    """Refuses a shape or config outside the kernel's domain, in one line."""
+    bn, bk, st = int(cfg["block_N"]), int(cfg["block_K"]), int(cfg["num_stages"])
+    workers, panel = int(cfg.get("workers", 132)), int(cfg.get("panel", 8))
+    epi = cfg.get("epilogue", "direct")
+    # What a pinned config may say beside the knobs, checked so that a rule cannot describe another kernel.
+    if int(cfg.get("block_M", BM)) != BM or int(cfg.get("threads", 384)) != 384:
+        raise ValueError(
+            f"gemm ws: block_M={cfg.get('block_M')}, threads={cfg.get('threads')}: block_M={BM}, threads=384"
+        )
+    if bn not in (128, 256) or bk != 64 or not 2 <= st <= 8:
+        raise ValueError(
+            f"gemm ws: block_N={bn}, block_K={bk}, num_stages={st}: block_N 128 or 256, block_K 64, 2-8 stages"
+        )
+    if workers < 1 or panel < 1 or epi not in ("direct", "smem"):
+        raise ValueError(f"gemm ws: workers={workers}, panel={panel}, epilogue={epi!r}: positive, 'direct' or 'smem'")
+    if layout not in ("nt", "nn"):
+        raise ValueError(f"gemm ws: layout {layout!r} is 'nt' or 'nn'")
+    if m % BM or n % bn or k % bk or m < BM or k < 2 * bk:
+        raise ValueError(
+            f"gemm ws: {m}x{n}x{k}: M a multiple of {BM}, N of block_N={bn}, K of block_K={bk} and at least {2 * bk}"
+        )
+    ring = st * (BM * bk + bn * bk) * 2
+    epi_bytes = BM * bn * 2 if epi == "smem" else 0
+    if ring + epi_bytes > 227 * 1024:
+        raise ValueError(
+            f"gemm ws: {st} stages of {BM}x{bk} + {bn}x{bk}{' and the smem epilogue' if epi_bytes else ''} "
+            f"need {(ring + epi_bytes) // 1024} KiB of shared memory, over the 227 KiB of an sm90 block"
+        )
+
+
+def tile_coords(t: Any, m_tiles: int, n_tiles: int, panel: int, minimum: Any = min) -> tuple[Any, Any]:
+    """Tile t's (row, column) in tiles: panels of `panel` tile rows (fewer in the last), each walked
+    column by column, so that consecutive tiles (those in flight together) share B's columns and a
+    few rows of A. Plain ints here, TileLang expressions in the kernel (`minimum` = T.min)."""
+    p = t // (panel * n_tiles)
+    rows = minimum(panel, m_tiles - p * panel)
+    r = t - p * panel * n_tiles
+    return p * panel + r % rows, r // rows
+
+
+def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]) -> Any:
+    import tilelang.language as T
+
+    check(m, n, k, layout, cfg)
+    bn, bk, stages = int(cfg["block_N"]), int(cfg["block_K"]), int(cfg["num_stages"])
+    workers, panel = int(cfg.get("workers", 132)), int(cfg.get("panel", 8))
+    smem_epilogue = cfg.get("epilogue", "direct") == "smem"
+    nt = layout == "nt"
+    b_shape = (n, k) if nt else (k, n)
+    b_stage = (stages, bn, bk) if nt else (stages, bk, bn)
+    m_tiles, n_tiles, k_steps = m // BM, n // bn, k // bk
+    tiles = m_tiles * n_tiles
+    rounds = -(-tiles // workers)  # tiles the busiest block takes
+    arrive = {"emit_arrive": 1}
+
+    def coords(t: Any) -> tuple[Any, Any]:
+        return tile_coords(t, m_tiles, n_tiles, panel, T.min)
+
+    @T.macro
+    def producer(A: Any, B: Any, a0: Any, a1: Any, b_s: Any, full: Any, empty: Any, bid: Any) -> None:
+        for i in T.serial(rounds):
+            t = bid + i * workers
+            if t < tiles:
+                by, bx = coords(t)
+                for j in T.serial(k_steps):
+                    g = i * k_steps + j  # this block's k-step count: the ring's position
+                    st, ph = g % stages, (g // stages) & 1
+                    T.mbarrier_wait_parity(empty[st], ph ^ 1)  # a fresh barrier passes parity 1
+                    r0 = by * BM
+                    T.tma_copy(
+                        A[r0 : r0 + ROWS, j * bk : j * bk + bk], a0[st, :, :], barrier=full[st], annotations=arrive
+                    )
+                    T.tma_copy(
+                        A[r0 + ROWS : r0 + BM, j * bk : j * bk + bk],
+                        a1[st, :, :],
+                        barrier=full[stages + st],
+                        annotations=arrive,
+                    )
+                    if nt:
+                        src = B[bx * bn : bx * bn + bn, j * bk : j * bk + bk]
+                    else:
+                        src = B[j * bk : j * bk + bk, bx * bn : bx * bn + bn]
+                    T.tma_copy(src, b_s[st, :, :], barrier=full[2 * stages + st], annotations=arrive)
+
+    @T.macro
+    def consumer(w: int, C: Any, a_w: Any, b_s: Any, acc: Any, c_s: Any, full: Any, empty: Any, bid: Any) -> None:
+        for i in T.serial(rounds):
+            t = bid + i * workers
+            if t < tiles:
+                by, bx = coords(t)
+                g0 = i * k_steps
+                # The first k-step peeled: its wgmmas clear the accumulator (no fill of C).
+                st0, ph0 = g0 % stages, (g0 // stages) & 1
+                T.mbarrier_wait_parity(full[w * stages + st0], ph0)
+                T.mbarrier_wait_parity(full[2 * stages + st0], ph0)
+                T.wgmma_gemm(a_w[st0, :, :], b_s[st0, :, :], acc, transpose_B=nt, clear_accum=True)
+                for jj in T.serial(k_steps - 1):
+                    g = g0 + jj + 1
+                    st, ph = g % stages, (g // stages) & 1
+                    T.mbarrier_wait_parity(full[w * stages + st], ph)
+                    T.mbarrier_wait_parity(full[2 * stages + st], ph)
+                    T.wgmma_gemm(a_w[st, :, :], b_s[st, :, :], acc, transpose_B=nt)
+                    T.wait_wgmma(1)  # k-step g-1 done: its stage may be loaded again
+                    T.mbarrier_arrive(empty[(g - 1) % stages])
+                T.wait_wgmma(0)
+                T.mbarrier_arrive(empty[(g0 + k_steps - 1) % stages])
+                r0 = by * BM + w * ROWS
+                if smem_epilogue:
+                    T.copy(acc, c_s)
+                    T.copy(c_s, C[r0 : r0 + ROWS, bx * bn : bx * bn + bn])
+                else:
+                    T.copy(acc, C[r0 : r0 + ROWS, bx * bn : bx * bn + bn])
+
+    @T.prim_func
+    def main(
+        A: T.Tensor((m, k), dtype),  # type: ignore[valid-type]
+        B: T.Tensor(b_shape, dtype),  # type: ignore[valid-type]
+        C: T.Tensor((m, n), dtype),  # type: ignore[valid-type]
+    ) -> None:
+        with T.Kernel(workers, threads=384) as bid:
+            a0 = T.alloc_shared((stages, ROWS, bk), dtype)  # each consumer's rows of A: its own box
+            a1 = T.alloc_shared((stages, ROWS, bk), dtype)
+            b_s = T.alloc_shared(b_stage, dtype)
+            # Each consumer its own fragment (TileLang lays one out for the threads that use it).
+            acc0 = T.alloc_fragment((ROWS, bn), "float32")
+            acc1 = T.alloc_fragment((ROWS, bn), "float32")
+            c0 = T.alloc_shared((ROWS, bn), dtype) if smem_epilogue else None
+            c1 = T.alloc_shared((ROWS, bn), dtype) if smem_epilogue else None
+            # full: A rows of consumer 0, of consumer 1, then B, one barrier a stage each (a TMA load
+            # arrives once on its barrier); empty: every consumer thread releases.
+            full = T.alloc_barrier([1] * (3 * stages))
+            empty = T.alloc_barrier([2 * 128] * stages)
+            tid = T.get_thread_binding()
+            if tid >= 256:
+                T.set_max_nreg(40, 0)
+                producer(A, B, a0, a1, b_s, full, empty, bid)
+            elif tid < 128:
+                T.set_max_nreg(232, 1)
+                consumer(0, C, a0, b_s, acc0, c0, full, empty, bid)
+            else:
+                T.set_max_nreg(232, 1)
+                consumer(1, C, a1, b_s, acc1, c1, full, empty, bid)
+
+    return main

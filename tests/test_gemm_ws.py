@@ -1,0 +1,152 @@
+"""kernels.gemm.ws (issue 21's persistent, warp-specialized GEMM, measured by
+scripts/gemm-ws-probe.py before any rule may pin it): its tile walk covers every tile once, real
+compiles for sm_90a where ptxas keeps the wgmmas asynchronous with no spill, its domain refused in one
+line, sm_80's rules never given it, and on a GPU its values against a float64 product, the output
+poisoned first."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kernels import _config, operator_module
+from kernels.gemm import ws
+
+SM90 = torch.cuda.is_available() and _config.device_for_capability(*torch.cuda.get_device_capability()) == "sm90"
+
+
+@pytest.mark.parametrize(("m_tiles", "n_tiles"), [(32, 16), (32, 112), (64, 32), (5, 7), (1, 1), (13, 3), (9, 24)])
+@pytest.mark.parametrize("panel", [1, 4, 8, 16])
+def test_the_tile_walk_covers_every_tile_once(m_tiles: int, n_tiles: int, panel: int) -> None:
+    """The order the kernel walks (the same function, on ints): a permutation of the tiles, the last
+    panel short where the rows do not divide, and consecutive tiles within a panel's rows."""
+    walk = [ws.tile_coords(t, m_tiles, n_tiles, panel) for t in range(m_tiles * n_tiles)]
+    assert sorted(walk) == [(r, c) for r in range(m_tiles) for c in range(n_tiles)]
+    for t, (r, c) in enumerate(walk):
+        p = t // (panel * n_tiles)
+        assert p * panel <= r < min((p + 1) * panel, m_tiles), (t, r, c)
+
+
+def _source(m: int, n: int, k: int, layout: str, cfg: dict[str, Any]) -> str:
+    import tilelang
+    import tvm
+    from tilelang.engine.lower import lower
+
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    with tvm.transform.PassContext(opt_level=3, config={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: False}), target:
+        return str(
+            lower(ws.program(m, n, k, layout, "bfloat16", cfg), target=target, enable_host_codegen=True).kernel_source
+        )
+
+
+@pytest.mark.parametrize(
+    ("layout", "block_n", "stages", "epilogue"),
+    [
+        ("nt", 256, 3, "smem"),
+        ("nt", 256, 4, "direct"),
+        ("nn", 256, 3, "smem"),
+        ("nt", 128, 5, "smem"),
+        ("nn", 128, 4, "direct"),
+    ],
+)
+def test_compiles_with_the_wgmmas_in_flight(
+    tmp_path: Path, layout: str, block_n: int, stages: int, epilogue: str
+) -> None:
+    """nvcc with TileLang's own options and ptxas's report: ptxas serializes every wgmma of a kernel
+    whose pipeline it cannot follow (C7514) or whose registers do not suffice (C7512), and says so."""
+    if shutil.which("nvcc") is None:
+        pytest.fail("nvcc is not on PATH: compile-only checks need CUDA's nvcc (CUDA 13.0)")
+    from tilelang.cuda.backend import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
+
+    cfg = {"block_N": block_n, "block_K": 64, "num_stages": stages, "epilogue": epilogue, "workers": 132}
+    src = _source(4096, 4096, 4096, layout, cfg)
+    # Persistent: one block an SM, 132 of them, each walking its tiles in rounds (512 tiles of 128 x
+    # 256: four rounds, the last short, so every round asks whether its tile exists).
+    tiles = 32 * (4096 // block_n)
+    rounds = -(-tiles // 132)
+    assert f"i < {rounds}; ++i)" in src, "the producer's rounds over this block's tiles"
+    # Warp specialization: the producer at 40 registers, both consumers at 232.
+    assert src.count("warpgroup_reg_dealloc<40>") == 1 and src.count("warpgroup_reg_alloc<232>") == 2
+    # The ring: the producer waits for a free stage, each consumer keeps one k-step in flight and
+    # frees the previous stage after its wait (wait_wgmma<1>, then an arrive on `empty`).
+    assert re.search(r"empty\[[^\]]+\]\.wait\(", src), "the producer never waits for a free stage"
+    assert len(re.findall(r"wait_wgmma<1>\(\);\s*empty\[[^\]]+\]\.arrive\(\);", src)) == 2, "no in-flight k-step"
+    # The peeled first k-step clears the accumulator itself: no fill of C anywhere.
+    assert "((0 < ki) ? 1 : 0)" in src and not re.search(r"acc0\[[^\]]+\] = 0\.0", src)
+    assert ("tma_store" in src) == (epilogue == "smem")
+    cu = tmp_path / "ws.cu"
+    cu.write_text(src)
+    cmd = ["nvcc", "-std=c++20", f"-I{TILELANG_TEMPLATE_PATH}", f"-I{CUTLASS_INCLUDE_DIR}"]
+    cmd += ["-arch=sm_90a", "-cubin", "-o", str(tmp_path / "ws.cubin"), str(cu), "--ptxas-options=-v"]
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not re.search(r"C751\d", r.stderr), r.stderr[-2000:]  # wgmmas serialized
+    assert "0 bytes spill stores, 0 bytes spill loads" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "layout", "cfg", "says"),
+    [
+        (4000, 4096, 4096, "nt", {}, "M a multiple of 128"),
+        (4096, 4000, 4096, "nt", {}, "N of block_N=256"),
+        (4096, 4096, 64, "nt", {}, "at least 128"),
+        (4096, 4096, 4096, "tn", {}, "layout 'tn'"),
+        (4096, 4096, 4096, "nt", {"block_N": 192}, "block_N 128 or 256"),
+        (4096, 4096, 4096, "nt", {"num_stages": 4, "epilogue": "smem"}, "over the 227 KiB"),
+        (4096, 4096, 4096, "nt", {"epilogue": "tma"}, "epilogue='tma'"),
+        (4096, 4096, 4096, "nt", {"threads": 256}, "threads=384"),
+        (4096, 4096, 4096, "nt", {"block_M": 64}, "block_M=128"),
+    ],
+)
+def test_the_domain_is_refused_in_one_line(m: int, n: int, k: int, layout: str, cfg: dict[str, Any], says: str) -> None:
+    base = {"block_N": 256, "block_K": 64, "num_stages": 3, "epilogue": "direct"}
+    with pytest.raises(ValueError, match="gemm ws") as exc:
+        ws.check(m, n, k, layout, base | cfg)
+    assert says in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
+
+
+def test_no_rule_pins_it_yet_and_sm80_never_gets_it() -> None:
+    """Unmeasured, it is pinned nowhere (the probe first); wgmma and setmaxnreg are sm_90a's, so an
+    sm80 rule naming it could only fail at compile time."""
+    facts = operator_module("gemm").facts
+    for device in ("sm90", "sm80"):
+        for m, n, k in [(4096, 6144, 4096), (4096, 28672, 4096), (8192, 8192, 8192), (64, 4096, 4096)]:
+            for layout in ("nt", "nn"):
+                ch = _config.choose(device, "gemm", facts(m, n, k, layout, "bfloat16"))
+                assert ch is not None and ch.config.get("schedule") != "ws", (device, m, n, k, layout)
+
+
+@pytest.mark.skipif(not SM90, reason="no sm90 GPU: the ws schedule's values need one")
+@pytest.mark.parametrize(
+    ("m", "n", "k", "layout", "cfg"),
+    [
+        (1024, 1024, 512, "nt", {"workers": 132}),  # 32 tiles: fewer than the blocks, most idle
+        (1024, 2048, 320, "nt", {"workers": 7}),  # 5 k-steps on 3 stages: the ring's phase runs across tiles
+        (1152, 1280, 1024, "nn", {"workers": 5, "panel": 4}),  # 9 x 5 tiles: a short last panel, 9 rounds
+        (512, 512, 128, "nt", {"workers": 3, "epilogue": "smem"}),  # two k-steps; the shared tile reused
+        (2048, 2048, 704, "nn", {"workers": 11, "epilogue": "smem", "block_N": 128, "num_stages": 5}),
+        (4096, 4096, 4096, "nt", {"workers": 132, "epilogue": "smem"}),
+    ],
+)
+def test_values_against_float64(m: int, n: int, k: int, layout: str, cfg: dict[str, Any]) -> None:
+    import tilelang
+
+    cfg = {"block_N": 256, "block_K": 64, "num_stages": 3, "epilogue": "direct"} | cfg
+    g = torch.Generator(device="cuda").manual_seed(m + n + k)
+    a = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+    b_shape = (n, k) if layout == "nt" else (k, n)
+    b = (torch.randn(*b_shape, generator=g, device="cuda") * k**-0.5).to(torch.bfloat16)
+    kernel = tilelang.compile(ws.program(m, n, k, layout, "bfloat16", cfg), target=_config.target("sm90"))
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    kernel(a, b, out)
+    torch.cuda.synchronize()
+    exact = a.double() @ (b.double().t() if layout == "nt" else b.double())
+    assert torch.isfinite(out).all(), "a tile of C was never written"
+    err = float((out.double() - exact).norm() / exact.norm())
+    assert err < 8e-3, err
