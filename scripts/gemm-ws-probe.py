@@ -1,6 +1,6 @@
 """Checks, then times, kernels.gemm.ws's variants against torch.matmul and the pinned kernel (issue 21).
 
-    python3 scripts/gemm-ws-probe.py OUT.json [--cases all|quick] [--variants 256s3s,256s4d,128s5s]
+    python3 scripts/gemm-ws-probe.py OUT.json [--cases all|quick] [--variants 256s3s,256s4d,128s5s,128s4sx]
 
 Per case (the pilot's representative prefill GEMMs: the four Llama-3-8B projections at 4096 tokens
 and 8192³, fp16 and bf16, nt and nn): each variant is compiled, its output poisoned with NaN and
@@ -9,7 +9,9 @@ element written) before it is timed; a variant that fails is recorded with its e
 timed. Timing is tilepilot.timing's (L2 flushed, batches alternated with the references under one
 clock state, the clock recorded): the variant, torch.matmul, and the pinned kernels.gemm config.
 Variants are "<block_N>s<num_stages><d|s>", d for the direct epilogue and s for the shared-memory
-one with its TMA store, then optionally "p<panel>" (tile rows a panel; 8 otherwise). Resident blocks
+one with its TMA store, then "x" for the consumers' ping-pong (a 128 x 128 tile each, one's
+epilogue under the other's k-loop; block_N 128 only), then optionally "p<panel>" (tile rows a
+panel; 8 otherwise). Resident blocks
 are the device's SM count. The file is rewritten after every case, so a call cut short keeps the
 cases it finished; a variant that hangs shows as the case after the last one written.
 """
@@ -39,7 +41,7 @@ CASES = {
     "all": [(s, dt, lay) for s in SHAPES for dt in ("float16", "bfloat16") for lay in ("nt", "nn")],
 }
 TOLERANCE = {"float16": 1e-3, "bfloat16": 8e-3}  # matrix.toml's rel_fro for gemm
-VARIANT = re.compile(r"(128|256)s(\d)([ds])(?:p(\d+))?")
+VARIANT = re.compile(r"(128|256)s(\d)([ds])(x?)(?:p(\d+))?")
 
 
 def variant(v: str) -> dict[str, Any]:
@@ -47,8 +49,8 @@ def variant(v: str) -> dict[str, Any]:
     hit = VARIANT.fullmatch(v)
     if hit is None:
         raise ValueError(v)
-    bn, st, epi, panel = hit.groups()
-    cfg = {"schedule": "ws", "block_N": int(bn), "block_K": 64, "num_stages": int(st)}
+    bn, st, epi, pp, panel = hit.groups()
+    cfg = {"schedule": "ws", "block_N": int(bn), "block_K": 64, "num_stages": int(st), "pingpong": int(bool(pp))}
     return cfg | {"epilogue": "smem" if epi == "s" else "direct", "panel": int(panel or 8), "label": f"ws-{v}"}
 
 
@@ -62,13 +64,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path)
     ap.add_argument("--cases", choices=sorted(CASES), default="all")
-    ap.add_argument("--variants", default="256s3s,256s4d,128s5s")
+    ap.add_argument("--variants", default="256s3s,256s4d,128s5s,128s4sx")
     args = ap.parse_args()
     try:
         variants = [variant(v) for v in args.variants.split(",")]
     except ValueError as exc:
         print(
-            f"gemm-ws-probe: --variants: {exc} is not <128|256>s<stages><d|s>[p<panel>], e.g. 256s3s; comma-separated",
+            f"gemm-ws-probe: --variants: {exc} is not <128|256>s<stages><d|s>[x][p<panel>], e.g. 256s3s; comma-separated",
             file=sys.stderr,
         )
         return 2

@@ -46,17 +46,19 @@ def _source(m: int, n: int, k: int, layout: str, cfg: dict[str, Any]) -> str:
 
 
 @pytest.mark.parametrize(
-    ("layout", "block_n", "stages", "epilogue"),
+    ("layout", "block_n", "stages", "epilogue", "pingpong"),
     [
-        ("nt", 256, 3, "smem"),
-        ("nt", 256, 4, "direct"),
-        ("nn", 256, 3, "smem"),
-        ("nt", 128, 5, "smem"),
-        ("nn", 128, 4, "direct"),
+        ("nt", 256, 3, "smem", 0),
+        ("nt", 256, 4, "direct", 0),
+        ("nn", 256, 3, "smem", 0),
+        ("nt", 128, 5, "smem", 0),
+        ("nn", 128, 4, "direct", 0),
+        ("nt", 128, 4, "smem", 1),
+        ("nn", 128, 5, "direct", 1),
     ],
 )
 def test_compiles_with_the_wgmmas_in_flight(
-    tmp_path: Path, layout: str, block_n: int, stages: int, epilogue: str
+    tmp_path: Path, layout: str, block_n: int, stages: int, epilogue: str, pingpong: int
 ) -> None:
     """nvcc with TileLang's own options and ptxas's report: ptxas serializes every wgmma of a kernel
     whose pipeline it cannot follow (C7514) or whose registers do not suffice (C7512), and says so."""
@@ -65,7 +67,14 @@ def test_compiles_with_the_wgmmas_in_flight(
     from tilelang.cuda.backend import CUTLASS_INCLUDE_DIR, TILELANG_TEMPLATE_PATH
 
     cfg = {"block_N": block_n, "block_K": 64, "num_stages": stages, "epilogue": epilogue, "workers": 132}
-    src = _source(4096, 4096, 4096, layout, cfg)
+    src = _source(4096, 4096, 4096, layout, cfg | {"pingpong": pingpong})
+    # Ping-pong: each consumer waits for its turn (bar.sync 1 or 2 of 256 threads) and gives the other
+    # one its turn (bar.arrive) where a next round exists; every stage freed by one consumer's 128
+    # threads. Without it, by both consumers' 256.
+    turns = ("__sync_thread_partial(1, 256)", "__sync_thread_partial(2, 256)")
+    turns += ("__named_barrier_arrive(1, 256)", "__named_barrier_arrive(2, 256)")
+    assert all((t in src) == bool(pingpong) for t in turns)
+    assert f"empty[0].init({128 if pingpong else 256});" in src
     # Persistent: one block an SM, 132 of them, each walking its tiles in rounds (512 tiles of 128 x
     # 256: four rounds, the last short, so every round asks whether its tile exists).
     tiles = 32 * (4096 // block_n)
@@ -102,6 +111,9 @@ def test_compiles_with_the_wgmmas_in_flight(
         (4096, 4096, 4096, "nt", {"epilogue": "tma"}, "epilogue='tma'"),
         (4096, 4096, 4096, "nt", {"threads": 256}, "threads=384"),
         (4096, 4096, 4096, "nt", {"block_M": 64}, "block_M=128"),
+        (4096, 4096, 4096, "nt", {"pingpong": 1}, "pingpong=1: 0, or 1 with block_N=128"),
+        (4096, 4096, 4096, "nt", {"pingpong": 2, "block_N": 128}, "pingpong=2"),
+        (4096, 4096, 4096, "nt", {"pingpong": 1, "block_N": 128, "num_stages": 6, "epilogue": "smem"}, "227 KiB"),
     ],
 )
 def test_the_domain_is_refused_in_one_line(m: int, n: int, k: int, layout: str, cfg: dict[str, Any], says: str) -> None:
@@ -132,6 +144,21 @@ def test_no_rule_pins_it_yet_and_sm80_never_gets_it() -> None:
         (512, 512, 128, "nt", {"workers": 3, "epilogue": "smem"}),  # two k-steps; the shared tile reused
         (2048, 2048, 704, "nn", {"workers": 11, "epilogue": "smem", "block_N": 128, "num_stages": 5}),
         (4096, 4096, 4096, "nt", {"workers": 132, "epilogue": "smem"}),
+        # Ping-pong: the consumers take turns by round; an odd and an even count of rounds a block,
+        # blocks with one round only (no turn handed over), stages that do not divide the k-steps.
+        pytest.param(1024, 1024, 320, "nt", {"workers": 5, "block_N": 128, "pingpong": 1}, id="pp-odd-rounds"),
+        pytest.param(
+            1024, 768, 512, "nn", {"workers": 6, "block_N": 128, "pingpong": 1, "epilogue": "smem"}, id="pp-nn"
+        ),
+        pytest.param(512, 512, 192, "nt", {"workers": 132, "block_N": 128, "pingpong": 1}, id="pp-one-round"),
+        pytest.param(
+            2048,
+            2048,
+            1024,
+            "nt",
+            {"workers": 13, "block_N": 128, "pingpong": 1, "num_stages": 3, "epilogue": "smem"},
+            id="pp-3-stages",
+        ),
     ],
 )
 def test_values_against_float64(m: int, n: int, k: int, layout: str, cfg: dict[str, Any]) -> None:

@@ -25,8 +25,14 @@ ran 4-6% slower (session 5). Here nothing is automatic:
   goes to the consumer's own shared tile, then one TMA store; a tile's store waits for the previous
   tile's store to have read the shared tile.
 
-Knobs: block_N (128 or 256), num_stages, epilogue, workers (resident blocks: the SM count, 132 on
-the H100 SXM and the H200), panel.
+- Ping-pong (knob `pingpong`, block_N 128): each consumer takes every other tile of its block,
+  128 x 128 (two wgmmas of 64 rows a k-step), so that one consumer's epilogue runs under the other
+  one's k-loop instead of idling the tensor cores. The ring's order already serializes their
+  k-loops; named barriers 1 and 2 keep a consumer from waiting on a stage's full barrier before the
+  other one has passed its own waits (a parity wait tells apart only one phase from the next).
+
+Knobs: block_N (128 or 256), num_stages, epilogue, pingpong, workers (resident blocks: the SM
+count, 132 on the H100 SXM and the H200), panel.
 
 The domain is what the probe needs, said and refused outside it: nt (nn.Linear's layout) and nn, M a
 multiple of 128, N of block_N, K of block_K (the TMA boxes and the stores have no bounds), K at least
@@ -56,6 +62,10 @@ def check(m: int, n: int, k: int, layout: str, cfg: dict[str, Any]) -> None:
         )
     if workers < 1 or panel < 1 or epi not in ("direct", "smem"):
         raise ValueError(f"gemm ws: workers={workers}, panel={panel}, epilogue={epi!r}: positive, 'direct' or 'smem'")
+    if (pp := cfg.get("pingpong", 0)) not in (0, 1) or (pp and bn != 128):
+        raise ValueError(
+            f"gemm ws: pingpong={pp!r}: 0, or 1 with block_N=128 (a 128 x 256 fp32 tile is 256 registers a thread)"
+        )
     if layout not in ("nt", "nn"):
         raise ValueError(f"gemm ws: layout {layout!r} is 'nt' or 'nn'")
     if m % BM or n % bn or k % bk or m < BM or k < 2 * bk:
@@ -63,7 +73,7 @@ def check(m: int, n: int, k: int, layout: str, cfg: dict[str, Any]) -> None:
             f"gemm ws: {m}x{n}x{k}: M a multiple of {BM}, N of block_N={bn}, K of block_K={bk} and at least {2 * bk}"
         )
     ring = st * (BM * bk + bn * bk) * 2
-    epi_bytes = BM * bn * 2 if epi == "smem" else 0
+    epi_bytes = (2 if pp else 1) * BM * bn * 2 if epi == "smem" else 0  # ping-pong: a whole tile a consumer
     if ring + epi_bytes > 227 * 1024:
         raise ValueError(
             f"gemm ws: {st} stages of {BM}x{bk} + {bn}x{bk}{' and the smem epilogue' if epi_bytes else ''} "
@@ -88,6 +98,8 @@ def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]
     bn, bk, stages = int(cfg["block_N"]), int(cfg["block_K"]), int(cfg["num_stages"])
     workers, panel = int(cfg.get("workers", 132)), int(cfg.get("panel", 8))
     smem_epilogue = cfg.get("epilogue", "direct") == "smem"
+    pingpong = bool(cfg.get("pingpong", 0))
+    rows = BM if pingpong else ROWS  # rows of C a consumer computes: its own tile, or its half of one
     nt = layout == "nt"
     b_shape = (n, k) if nt else (k, n)
     b_stage = (stages, bn, bk) if nt else (stages, bk, bn)
@@ -95,9 +107,18 @@ def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]
     tiles = m_tiles * n_tiles
     rounds = -(-tiles // workers)  # tiles the busiest block takes
     arrive = {"emit_arrive": 1}
+    # The full barriers, one a stage for each TMA box (a load arrives once on its barrier): A's (one
+    # box of 128 rows with ping-pong, else one of 64 rows a consumer), then B's.
+    a_boxes = 1 if pingpong else 2
+    b_bar = a_boxes * stages
 
     def coords(t: Any) -> tuple[Any, Any]:
         return tile_coords(t, m_tiles, n_tiles, panel, T.min)
+
+    def mine(w: int, i: Any) -> Any:
+        # Round i's tile is consumer w's: every round for both (cooperative), every other one each
+        # (ping-pong: one consumer's epilogue runs under the other one's k-loop).
+        return i % 2 == w if pingpong else True
 
     @T.macro
     def producer(A: Any, B: Any, a0: Any, a1: Any, b_s: Any, full: Any, empty: Any, bid: Any) -> None:
@@ -109,50 +130,61 @@ def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]
                     g = i * k_steps + j  # this block's k-step count: the ring's position
                     st, ph = g % stages, (g // stages) & 1
                     T.mbarrier_wait_parity(empty[st], ph ^ 1)  # a fresh barrier passes parity 1
-                    r0 = by * BM
-                    T.tma_copy(
-                        A[r0 : r0 + ROWS, j * bk : j * bk + bk], a0[st, :, :], barrier=full[st], annotations=arrive
-                    )
-                    T.tma_copy(
-                        A[r0 + ROWS : r0 + BM, j * bk : j * bk + bk],
-                        a1[st, :, :],
-                        barrier=full[stages + st],
-                        annotations=arrive,
-                    )
-                    if nt:
-                        src = B[bx * bn : bx * bn + bn, j * bk : j * bk + bk]
+                    r0, k0 = by * BM, j * bk
+                    if pingpong:
+                        T.tma_copy(A[r0 : r0 + BM, k0 : k0 + bk], a0[st, :, :], barrier=full[st], annotations=arrive)
                     else:
-                        src = B[j * bk : j * bk + bk, bx * bn : bx * bn + bn]
-                    T.tma_copy(src, b_s[st, :, :], barrier=full[2 * stages + st], annotations=arrive)
+                        T.tma_copy(A[r0 : r0 + ROWS, k0 : k0 + bk], a0[st, :, :], barrier=full[st], annotations=arrive)
+                        T.tma_copy(
+                            A[r0 + ROWS : r0 + BM, k0 : k0 + bk],
+                            a1[st, :, :],
+                            barrier=full[stages + st],
+                            annotations=arrive,
+                        )
+                    if nt:
+                        src = B[bx * bn : bx * bn + bn, k0 : k0 + bk]
+                    else:
+                        src = B[k0 : k0 + bk, bx * bn : bx * bn + bn]
+                    T.tma_copy(src, b_s[st, :, :], barrier=full[b_bar + st], annotations=arrive)
 
     @T.macro
     def consumer(w: int, C: Any, a_w: Any, b_s: Any, acc: Any, c_s: Any, full: Any, empty: Any, bid: Any) -> None:
+        a_bar = 0 if pingpong else w * stages
         for i in T.serial(rounds):
             t = bid + i * workers
-            if t < tiles:
+            if mine(w, i) and t < tiles:
                 by, bx = coords(t)
                 g0 = i * k_steps
+                if pingpong and i > 0:
+                    T.sync_threads(1 + w, 256)  # this consumer's turn: the other one is past its waits
                 # The first k-step peeled: its wgmmas clear the accumulator (no fill of C).
                 st0, ph0 = g0 % stages, (g0 // stages) & 1
-                T.mbarrier_wait_parity(full[w * stages + st0], ph0)
-                T.mbarrier_wait_parity(full[2 * stages + st0], ph0)
+                T.mbarrier_wait_parity(full[a_bar + st0], ph0)
+                T.mbarrier_wait_parity(full[b_bar + st0], ph0)
                 T.wgmma_gemm(a_w[st0, :, :], b_s[st0, :, :], acc, transpose_B=nt, clear_accum=True)
                 for jj in T.serial(k_steps - 1):
                     g = g0 + jj + 1
                     st, ph = g % stages, (g // stages) & 1
-                    T.mbarrier_wait_parity(full[w * stages + st], ph)
-                    T.mbarrier_wait_parity(full[2 * stages + st], ph)
+                    T.mbarrier_wait_parity(full[a_bar + st], ph)
+                    T.mbarrier_wait_parity(full[b_bar + st], ph)
                     T.wgmma_gemm(a_w[st, :, :], b_s[st, :, :], acc, transpose_B=nt)
                     T.wait_wgmma(1)  # k-step g-1 done: its stage may be loaded again
                     T.mbarrier_arrive(empty[(g - 1) % stages])
+                if pingpong and bid + (i + 1) * workers < tiles:
+                    # The other consumer's turn: it waits on the full barriers only from here, where
+                    # this one has passed all of its own. A parity wait can tell apart only a phase
+                    # and the next: one made 2 x k_steps / num_stages phases early would pass on an
+                    # older load. (Only where the next round exists: a named barrier left
+                    # half-arrived at exit is never completed.)
+                    T.named_barrier_arrive(2 - w, 256)
                 T.wait_wgmma(0)
                 T.mbarrier_arrive(empty[(g0 + k_steps - 1) % stages])
-                r0 = by * BM + w * ROWS
+                r0 = by * BM + (0 if pingpong else w * ROWS)
                 if smem_epilogue:
                     T.copy(acc, c_s)
-                    T.copy(c_s, C[r0 : r0 + ROWS, bx * bn : bx * bn + bn])
+                    T.copy(c_s, C[r0 : r0 + rows, bx * bn : bx * bn + bn])
                 else:
-                    T.copy(acc, C[r0 : r0 + ROWS, bx * bn : bx * bn + bn])
+                    T.copy(acc, C[r0 : r0 + rows, bx * bn : bx * bn + bn])
 
     @T.prim_func
     def main(
@@ -161,18 +193,18 @@ def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]
         C: T.Tensor((m, n), dtype),  # type: ignore[valid-type]
     ) -> None:
         with T.Kernel(workers, threads=384) as bid:
-            a0 = T.alloc_shared((stages, ROWS, bk), dtype)  # each consumer's rows of A: its own box
-            a1 = T.alloc_shared((stages, ROWS, bk), dtype)
+            # A's stages: each consumer's 64 rows its own box, or (ping-pong) the tile's 128 rows.
+            a0 = T.alloc_shared((stages, rows, bk), dtype)
+            a1 = a0 if pingpong else T.alloc_shared((stages, ROWS, bk), dtype)
             b_s = T.alloc_shared(b_stage, dtype)
             # Each consumer its own fragment (TileLang lays one out for the threads that use it).
-            acc0 = T.alloc_fragment((ROWS, bn), "float32")
-            acc1 = T.alloc_fragment((ROWS, bn), "float32")
-            c0 = T.alloc_shared((ROWS, bn), dtype) if smem_epilogue else None
-            c1 = T.alloc_shared((ROWS, bn), dtype) if smem_epilogue else None
-            # full: A rows of consumer 0, of consumer 1, then B, one barrier a stage each (a TMA load
-            # arrives once on its barrier); empty: every consumer thread releases.
-            full = T.alloc_barrier([1] * (3 * stages))
-            empty = T.alloc_barrier([2 * 128] * stages)
+            acc0 = T.alloc_fragment((rows, bn), "float32")
+            acc1 = T.alloc_fragment((rows, bn), "float32")
+            c0 = T.alloc_shared((rows, bn), dtype) if smem_epilogue else None
+            c1 = T.alloc_shared((rows, bn), dtype) if smem_epilogue else None
+            full = T.alloc_barrier([1] * ((a_boxes + 1) * stages))
+            # A stage is released by every thread that read it: both consumers', or its tile's one.
+            empty = T.alloc_barrier([128 if pingpong else 256] * stages)
             tid = T.get_thread_binding()
             if tid >= 256:
                 T.set_max_nreg(40, 0)
