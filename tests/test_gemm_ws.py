@@ -71,8 +71,7 @@ def test_compiles_with_the_wgmmas_in_flight(
     # Ping-pong: each consumer waits for its turn (bar.sync 1 or 2 of 256 threads) and gives the other
     # one its turn (bar.arrive) where a next round exists; every stage freed by one consumer's 128
     # threads. Without it, by both consumers' 256.
-    turns = ("__sync_thread_partial(1, 256)", "__sync_thread_partial(2, 256)")
-    turns += ("__named_barrier_arrive(1, 256)", "__named_barrier_arrive(2, 256)")
+    turns = [f"__sync_thread_partial({b}, 256)" for b in (1, 2)] + [f"__named_barrier_arrive({b}, 256)" for b in (1, 2)]
     assert all((t in src) == bool(pingpong) for t in turns)
     assert f"empty[0].init({128 if pingpong else 256});" in src
     # Persistent: one block an SM, 132 of them, each walking its tiles in rounds (512 tiles of 128 x
