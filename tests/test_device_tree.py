@@ -97,19 +97,28 @@ def test_check_writes_nothing_into_a_checkout_with_its_own_history(sent: tuple[P
         assert r.returncode == 0, r.stderr
 
 
+def _shallow(clone: Path, at: Path, depth: int, bundle: Path) -> Path:
+    """A sparse clone of `clone` of that depth, carrying `bundle` as its .device, as a call would."""
+    git("clone", "-q", "--no-checkout", "--depth", str(depth), f"file://{clone}", str(at), cwd=at.parent)
+    git("sparse-checkout", "set", "--no-cone", *_load().SPARSE, cwd=at)  # type: ignore[attr-defined]
+    git("checkout", "-q", "HEAD", cwd=at)
+    shutil.copytree(bundle, at / ".device")
+    return at
+
+
 def test_worktree_and_shallow_clone_keep_their_history(sent: tuple[Path, Path], tmp_path: Path) -> None:
     """The history is HEAD's ancestors, wherever git keeps them: a worktree (its .git a file) and a
-    clone of depth 3 (a .git/shallow of its own) pass as the home checkout does, their depth kept."""
+    shallow clone (a .git/shallow of its own) deep enough to hold the code commit and one ancestor
+    pass as the home checkout does, their depth kept. (Its depth is counted from the code commit:
+    HEAD may be docs and results commits past it, as many as the day's pilots and notes made.)"""
     clone, _ = sent
+    code = json.loads((clone / ".device" / "git.json").read_text())["commit"]
     wt = tmp_path / "wt"
     git("worktree", "add", "-q", "--detach", str(wt), cwd=clone)
     git("sparse-checkout", "set", "--no-cone", *_load().SPARSE, cwd=wt)  # type: ignore[attr-defined]
     shutil.copytree(clone / ".device", wt / ".device")
-    shallow = tmp_path / "shallow"
-    git("clone", "-q", "--no-checkout", "--depth", "3", f"file://{clone}", str(shallow), cwd=tmp_path)
-    git("sparse-checkout", "set", "--no-cone", *_load().SPARSE, cwd=shallow)  # type: ignore[attr-defined]
-    git("checkout", "-q", "HEAD", cwd=shallow)
-    shutil.copytree(clone / ".device", shallow / ".device")
+    past = int(git("rev-list", "--count", f"{code}..HEAD", cwd=clone))
+    shallow = _shallow(clone, tmp_path / "shallow", past + 2, clone / ".device")
     try:
         for tree in (wt, shallow):
             before = git("rev-list", "--count", "HEAD", cwd=tree)
@@ -118,6 +127,31 @@ def test_worktree_and_shallow_clone_keep_their_history(sent: tuple[Path, Path], 
             assert git("rev-list", "--count", "HEAD", cwd=tree) == before and int(before) > 1
     finally:
         git("worktree", "remove", "--force", str(wt), cwd=clone)
+
+
+def test_a_shallow_clone_short_of_the_code_commit_gets_it_as_the_device_does(
+    sent: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """A clone whose depth stops after the code commit (HEAD a results commit past it, depth 1) does
+    not hold what asv asks about: the commit is installed as on the device's copy, and asv finds it
+    with its date. The history such a clone lacks was never there to cut."""
+    clone, _ = sent
+    deep = tmp_path / "deep"
+    git("clone", "-q", "--no-checkout", f"file://{clone}", str(deep), cwd=tmp_path)
+    git("sparse-checkout", "set", "--no-cone", *_load().SPARSE, cwd=deep)  # type: ignore[attr-defined]
+    git("checkout", "-q", "HEAD", cwd=deep)
+    (deep / "results" / "later.txt").parent.mkdir(parents=True, exist_ok=True)
+    (deep / "results" / "later.txt").write_text("a pilot's record, after the code commit\n")
+    git("add", "--sparse", "results/later.txt", cwd=deep)
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "results only", cwd=deep)
+    shallow = _shallow(deep, tmp_path / "shallow", 1, clone / ".device")
+    code = json.loads((clone / ".device" / "git.json").read_text())["commit"]
+    assert subprocess.run(["git", "cat-file", "-e", code], cwd=shallow, check=False).returncode != 0
+    r = tool("check", shallow / ".device", shallow)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["commit"] == code
+    when = git("rev-list", "-n", "1", "--format=%at", code, cwd=shallow).split()[-1]
+    assert when == git("log", "-1", "--format=%at", code, cwd=clone).strip()
 
 
 def test_a_device_copy_with_commits_of_its_own_gets_the_commit(sent: tuple[Path, Path], tmp_path: Path) -> None:
