@@ -105,6 +105,7 @@ def test_compiles_with_the_wgmmas_in_flight(
         (4096, 4000, 4096, "nt", {}, "N of block_N=256"),
         (4096, 4096, 64, "nt", {}, "at least 128"),
         (4096, 4096, 4096, "tn", {}, "layout 'tn'"),
+        (65536, 32768, 4096, "nt", {}, "2^31 elements"),
         (4096, 4096, 4096, "nt", {"block_N": 192}, "block_N 128 or 256"),
         (4096, 4096, 4096, "nt", {"num_stages": 4, "epilogue": "smem"}, "over the 227 KiB"),
         (4096, 4096, 4096, "nt", {"epilogue": "tma"}, "epilogue='tma'"),

@@ -72,6 +72,8 @@ def check(m: int, n: int, k: int, layout: str, cfg: dict[str, Any]) -> None:
         raise ValueError(
             f"gemm ws: {m}x{n}x{k}: M a multiple of {BM}, N of block_N={bn}, K of block_K={bk} and at least {2 * bk}"
         )
+    if max(m * n, m * k, n * k) >= 2**31:  # TileLang indexes in int32: a larger operand fails its lowering
+        raise ValueError(f"gemm ws: {m}x{n}x{k}: an operand of 2^31 elements or more (int32 indexing)")
     ring = st * (BM * bk + bn * bk) * 2
     epi_bytes = (2 if pp else 1) * BM * bn * 2 if epi == "smem" else 0  # ping-pong: a whole tile a consumer
     if ring + epi_bytes > 227 * 1024:
