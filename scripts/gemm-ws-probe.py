@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -151,6 +152,15 @@ def main() -> int:
             if isinstance(val, dict)
         }
         print(case["case"], json.dumps(brief), flush=True)
+    # Per variant: the geometric mean over the cases it passed, and how many it did not.
+    summary: dict[str, Any] = {}
+    for name in ["pinned", *(c["label"] for c in variants)]:
+        ratios = [c[name]["vs_torch"] for c in doc["cases"] if "vs_torch" in c.get(name, {})]
+        gm = math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else None
+        summary[name] = {"geomean_vs_torch": gm, "timed": len(ratios), "not_timed": len(doc["cases"]) - len(ratios)}
+    doc["summary"] = summary
+    write(args.out, doc)
+    print("summary", json.dumps(summary), flush=True)
     return 0
 
 
