@@ -52,6 +52,7 @@ def main() -> None:
 
     a, b = torch.randn(16, 64, dtype=torch.float16), torch.randn(32, 64, dtype=torch.float16)
     kernels.gemm(a, b, trans_b=True)  # the fallback's first record logs once: not timed
+    key = ("gemm", True, a.shape, b.shape, a.dtype, b.dtype, a.device, b.device, a.is_contiguous(), b.is_contiguous())
     rows = {
         "resolve gemm (capability -> device -> choice)": per_call_us(resolve_gemm),
         "resolve decode (capability -> device -> choice)": per_call_us(resolve_decode),
@@ -60,6 +61,22 @@ def main() -> None:
         "kernels.gemm, CPU 16x64x32 (replayed)": per_call_us(lambda: kernels.gemm(a, b, trans_b=True)),
         "kernels.gemm, CPU 16x64x32 (decided in full)": per_call_us(lambda: decided_in_full(a, b)),
         "torch.matmul, CPU 16x64x32": per_call_us(lambda: torch.matmul(a, b.t())),
+        # The replayed call's parts: its identity (kernels.gemm's key, as built there) and the lookup.
+        "  replay key (10 items, 8 tensor attributes)": per_call_us(
+            lambda: (
+                "gemm",
+                True,
+                a.shape,
+                b.shape,
+                a.dtype,
+                b.dtype,
+                a.device,
+                b.device,
+                a.is_contiguous(),
+                b.is_contiguous(),
+            )
+        ),
+        "  replay lookup (_dispatch.replayed)": per_call_us(lambda: _dispatch.replayed(key)),
     }
     for name, us in rows.items():
         print(f"{name:50s} {us:8.2f} µs")
