@@ -36,14 +36,23 @@ def tool(cmd: str, bundle: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _clone(src: Path, at: Path, depth: int | None = None, bundle: Path | None = None) -> Path:
+    """A sparse clone of `src` (of that depth, else whole), carrying `bundle` as its .device as a call would."""
+    # A depth needs git's file:// transport; a whole clone takes the local one (hard links, fast).
+    how = ["--depth", str(depth), f"file://{src}"] if depth else [str(src)]
+    git("clone", "-q", "--no-checkout", *how, str(at), cwd=at.parent)
+    git("sparse-checkout", "set", "--no-cone", *_load().SPARSE, cwd=at)  # type: ignore[attr-defined]
+    git("checkout", "-q", "HEAD", cwd=at)
+    if bundle is not None:
+        shutil.copytree(bundle, at / ".device")
+    return at
+
+
 @pytest.fixture(scope="module")
 def sent(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(the sparse checkout a call sends, with its .device written; the device's copy of what travels)."""
     base = tmp_path_factory.mktemp("device-tree")
-    clone = base / "clone"
-    git("clone", "-q", "--no-checkout", str(ROOT), str(clone), cwd=base)
-    git("sparse-checkout", "set", "--no-cone", *_load().SPARSE, cwd=clone)  # type: ignore[attr-defined]
-    git("checkout", "-q", "HEAD", cwd=clone)
+    clone = _clone(ROOT, base / "clone")
     r = tool("write", clone / ".device", clone)
     assert r.returncode == 0, r.stderr
     dev = base / "dev"
@@ -97,15 +106,6 @@ def test_check_writes_nothing_into_a_checkout_with_its_own_history(sent: tuple[P
         assert r.returncode == 0, r.stderr
 
 
-def _shallow(clone: Path, at: Path, depth: int, bundle: Path) -> Path:
-    """A sparse clone of `clone` of that depth, carrying `bundle` as its .device, as a call would."""
-    git("clone", "-q", "--no-checkout", "--depth", str(depth), f"file://{clone}", str(at), cwd=at.parent)
-    git("sparse-checkout", "set", "--no-cone", *_load().SPARSE, cwd=at)  # type: ignore[attr-defined]
-    git("checkout", "-q", "HEAD", cwd=at)
-    shutil.copytree(bundle, at / ".device")
-    return at
-
-
 def test_worktree_and_shallow_clone_keep_their_history(sent: tuple[Path, Path], tmp_path: Path) -> None:
     """The history is HEAD's ancestors, wherever git keeps them: a worktree (its .git a file) and a
     shallow clone (a .git/shallow of its own) deep enough to hold the code commit and one ancestor
@@ -118,7 +118,7 @@ def test_worktree_and_shallow_clone_keep_their_history(sent: tuple[Path, Path], 
     git("sparse-checkout", "set", "--no-cone", *_load().SPARSE, cwd=wt)  # type: ignore[attr-defined]
     shutil.copytree(clone / ".device", wt / ".device")
     past = int(git("rev-list", "--count", f"{code}..HEAD", cwd=clone))
-    shallow = _shallow(clone, tmp_path / "shallow", past + 2, clone / ".device")
+    shallow = _clone(clone, tmp_path / "shallow", past + 2, clone / ".device")
     try:
         for tree in (wt, shallow):
             before = git("rev-list", "--count", "HEAD", cwd=tree)
@@ -136,15 +136,12 @@ def test_a_shallow_clone_short_of_the_code_commit_gets_it_as_the_device_does(
     not hold what asv asks about: the commit is installed as on the device's copy, and asv finds it
     with its date. The history such a clone lacks was never there to cut."""
     clone, _ = sent
-    deep = tmp_path / "deep"
-    git("clone", "-q", "--no-checkout", f"file://{clone}", str(deep), cwd=tmp_path)
-    git("sparse-checkout", "set", "--no-cone", *_load().SPARSE, cwd=deep)  # type: ignore[attr-defined]
-    git("checkout", "-q", "HEAD", cwd=deep)
+    deep = _clone(clone, tmp_path / "deep")
     (deep / "results" / "later.txt").parent.mkdir(parents=True, exist_ok=True)
     (deep / "results" / "later.txt").write_text("a pilot's record, after the code commit\n")
     git("add", "--sparse", "results/later.txt", cwd=deep)
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "results only", cwd=deep)
-    shallow = _shallow(deep, tmp_path / "shallow", 1, clone / ".device")
+    shallow = _clone(deep, tmp_path / "shallow", 1, clone / ".device")
     code = json.loads((clone / ".device" / "git.json").read_text())["commit"]
     assert subprocess.run(["git", "cat-file", "-e", code], cwd=shallow, check=False).returncode != 0
     r = tool("check", shallow / ".device", shallow)
