@@ -90,10 +90,9 @@ def main() -> int:
     # Every kernel compiled first, in threads (nvcc runs outside the GIL; 80 compiles of 3-5 s each
     # would take the call's time in series). A failure is kept by kernels._dispatch and raised again
     # by the case's own build below, where it is recorded as that variant's result.
+    knobs = {c["label"]: {key: v for key, v in c.items() if key != "label"} | {"workers": sms} for c in variants}
     jobs = [
-        (SHAPES[shape], layout, dt, cfg)
-        for shape, dt, layout in CASES[args.cases]
-        for cfg in [None, *({key: v for key, v in c.items() if key != "label"} | {"workers": sms} for c in variants)]
+        (SHAPES[shape], layout, dt, cfg) for shape, dt, layout in CASES[args.cases] for cfg in [None, *knobs.values()]
     ]
 
     def prebuild(job: tuple[tuple[int, int, int], str, str, dict[str, Any] | None]) -> None:
@@ -126,8 +125,7 @@ def main() -> int:
             name = cfg["label"]
             entry: dict[str, Any] = {"variant": name}
             try:
-                knobs = {key: val for key, val in cfg.items() if key != "label"} | {"workers": sms}
-                kern = gemm.build(m, n, k, layout, dt, "sm90", knobs)
+                kern = gemm.build(m, n, k, layout, dt, "sm90", knobs[name])
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
                 kern(a, b, out)
                 torch.cuda.synchronize()
