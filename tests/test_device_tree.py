@@ -48,6 +48,11 @@ def _clone(src: Path, at: Path, depth: int | None = None, bundle: Path | None = 
     return at
 
 
+def _code_commit(clone: Path) -> str:
+    """The code commit the bundle in clone's .device names."""
+    return str(json.loads((clone / ".device" / "git.json").read_text())["commit"])
+
+
 @pytest.fixture(scope="module")
 def sent(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(the sparse checkout a call sends, with its .device written; the device's copy of what travels)."""
@@ -98,7 +103,7 @@ def test_check_writes_nothing_into_a_checkout_with_its_own_history(sent: tuple[P
     before = git("rev-list", "--count", "HEAD", cwd=clone)
     r = tool("check", clone / ".device", clone)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["commit"] == json.loads((clone / ".device" / "git.json").read_text())["commit"]
+    assert json.loads(r.stdout)["commit"] == _code_commit(clone)
     assert not (clone / ".git" / "shallow").exists()
     assert git("rev-list", "--count", "HEAD", cwd=clone) == before and int(before) > 1
     for _ in range(2):
@@ -112,7 +117,7 @@ def test_worktree_and_shallow_clone_keep_their_history(sent: tuple[Path, Path], 
     pass as the home checkout does, their depth kept. (Its depth is counted from the code commit:
     HEAD may be docs and results commits past it, as many as the day's pilots and notes made.)"""
     clone, _ = sent
-    code = json.loads((clone / ".device" / "git.json").read_text())["commit"]
+    code = _code_commit(clone)
     wt = tmp_path / "wt"
     git("worktree", "add", "-q", "--detach", str(wt), cwd=clone)
     git("sparse-checkout", "set", "--no-cone", *_load().SPARSE, cwd=wt)  # type: ignore[attr-defined]
@@ -142,7 +147,7 @@ def test_a_shallow_clone_short_of_the_code_commit_gets_it_as_the_device_does(
     git("add", "--sparse", "results/later.txt", cwd=deep)
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "results only", cwd=deep)
     shallow = _clone(deep, tmp_path / "shallow", 1, clone / ".device")
-    code = json.loads((clone / ".device" / "git.json").read_text())["commit"]
+    code = _code_commit(clone)
     assert subprocess.run(["git", "cat-file", "-e", code], cwd=shallow, check=False).returncode != 0
     r = tool("check", shallow / ".device", shallow)
     assert r.returncode == 0, r.stderr
