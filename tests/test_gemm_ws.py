@@ -1,8 +1,8 @@
 """kernels.gemm.ws (issue 21's persistent, warp-specialized GEMM, measured by
-scripts/gemm-ws-probe.py before any rule may pin it): its tile walk covers every tile once, real
-compiles for sm_90a where ptxas keeps the wgmmas asynchronous with no spill, its domain refused in one
-line, sm_80's rules never given it, and on a GPU its values against a float64 product, the output
-poisoned first."""
+scripts/gemm-ws-probe.py, then pinned on the prefill shapes): its tile walk covers every tile once,
+real compiles for sm_90a where ptxas keeps the wgmmas asynchronous with no spill, its domain refused
+in one line, the sm90 rule inside that domain and sm_80 never given it, and on a GPU its values
+against a float64 product, the output poisoned first."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from sm90_build import assert_wgmmas_in_flight
 
 from kernels import _config, operator_module
 from kernels.gemm import ws
+from tilepilot import cases, matrix
 
 SM90 = torch.cuda.is_available() and _config.device_for_capability(*torch.cuda.get_device_capability()) == "sm90"
 
@@ -111,15 +112,24 @@ def test_the_domain_is_refused_in_one_line(m: int, n: int, k: int, layout: str, 
     assert says in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
 
 
-def test_no_rule_pins_it_yet_and_sm80_never_gets_it() -> None:
-    """Unmeasured, it is pinned nowhere (the probe first); wgmma and setmaxnreg are sm_90a's, so an
-    sm80 rule naming it could only fail at compile time."""
+def test_sm90_pins_it_on_the_prefill_shapes_inside_its_domain_and_sm80_never_gets_it() -> None:
+    """sm90's rule gives the matrix's prefill GEMMs (M 4096 and 8192) the ws schedule, each inside the
+    kernel's domain (a rule past it would fail the pilot's build), while torch.matmul still ships there
+    (its probe won by under 2%); no other case, and nothing on sm80, whose compiler has no wgmma."""
     facts = operator_module("gemm").facts
-    for device in ("sm90", "sm80"):
-        for m, n, k in [(4096, 6144, 4096), (4096, 28672, 4096), (8192, 8192, 8192), (64, 4096, 4096)]:
-            for layout in ("nt", "nn"):
-                ch = _config.choose(device, "gemm", facts(m, n, k, layout, "bfloat16"))
-                assert ch is not None and ch.config.get("schedule") != "ws", (device, m, n, k, layout)
+    pinned = set()
+    for c in cases.expand(matrix.load(), "gemm/*"):
+        m, n, k = (c.dims[d] for d in ("m", "n", "k"))
+        for device in ("sm90", "sm80"):
+            ch = _config.choose(device, "gemm", facts(m, n, k, c.variant, c.dtype))
+            assert ch is not None, (device, c.id)
+            if ch.config.get("schedule") == "ws":
+                assert device == "sm90", c.id
+                ws.check(m, n, k, c.variant, ch.config)
+                assert ch.backend == "framework", c.id
+                pinned.add(c.id)
+    prefill = {c.id for c in cases.expand(matrix.load(), "gemm/*-t4096/*,gemm/square-8192/*")}
+    assert pinned == prefill and len(prefill) == 20, sorted(pinned ^ prefill)
 
 
 @pytest.mark.skipif(not SM90, reason="no sm90 GPU: the ws schedule's values need one")
