@@ -23,7 +23,7 @@ def _case(pattern: str) -> cases.Case:
 
 
 @pytest.mark.parametrize(
-    ("pattern", "n"), [("gemm/llama8b-o-t4096/float16/nt", 16), ("attention/q4096-kv1000/bfloat16/causal", 12)]
+    ("pattern", "n"), [("gemm/odd-4097/float16/nt", 16), ("attention/q4096-kv1000/bfloat16/causal", 12)]
 )
 def test_space_is_the_tune_table_over_the_pinned_config(pattern: str, n: int) -> None:
     c = _case(pattern)
@@ -45,7 +45,7 @@ def test_a_missing_tune_table_is_named() -> None:
 @pytest.mark.parametrize(
     "pattern",
     [
-        "gemm/llama8b-qkv-t4096/bfloat16/nn",
+        "gemm/odd-4097/bfloat16/nn",  # the tiled schedule (the prefill shapes are ws: no space)
         "attention/q4096-kv1000/float16/none",  # the automatic schedule (llama8b's are fa3: no space)
         "decode/llama8b-b8-c32k/float16/bottom-right",
     ],
@@ -64,13 +64,22 @@ def test_tunable_programs_suit_the_autotuner_and_compile_for_sm90a(pattern: str)
     assert "wgmma" in kernel.get_kernel_source()
 
 
-def test_a_hand_written_schedule_is_not_tuned_and_says_so() -> None:
-    """llama8b-s8192 is pinned to the fa3 schedule: the search space (block_M, threads, stages of
-    the automatic pipeline) would time other kernels under its name; it is left, in one line each."""
-    c, twin = _case("attention/llama8b-s8192/float16/none"), _case("attention/llama8b-s8192/bfloat16/none")
-    rows = tune.tune_case(c, [twin], "sm90", None, None)
-    assert [r["case"] for r in rows] == [c.id, twin.id]
-    assert all(r["verdict"].startswith("not tuned: the pinned config is the fa3 schedule") for r in rows), rows
+@pytest.mark.parametrize(
+    ("pattern", "twin", "schedule"),
+    [
+        ("attention/llama8b-s8192/float16/none", "attention/llama8b-s8192/bfloat16/none", "fa3"),
+        ("gemm/square-8192/float16/nt", "gemm/square-8192/bfloat16/nt", "ws"),
+    ],
+)
+def test_a_hand_written_schedule_is_not_tuned_and_says_so(pattern: str, twin: str, schedule: str) -> None:
+    """llama8b-s8192 is pinned to the fa3 schedule and 8192^3 to the ws one: the search space (block_M,
+    threads, stages of the automatic pipeline) would time other kernels under their names; they are
+    left, in one line each."""
+    c, other = _case(pattern), _case(twin)
+    rows = tune.tune_case(c, [other], "sm90", None, None)
+    assert [r["case"] for r in rows] == [c.id, other.id]
+    want = f"not tuned: the pinned config is the {schedule} schedule"
+    assert all(r["verdict"].startswith(want) for r in rows), rows
 
 
 def test_a_candidate_that_cannot_launch_fails_its_check_and_the_caller_goes_on() -> None:
@@ -88,7 +97,7 @@ def test_a_candidate_that_cannot_launch_fails_its_check_and_the_caller_goes_on()
 @pytest.mark.parametrize(
     ("pattern", "twin"),
     [
-        ("gemm/square-8192/float16/nt", "gemm/square-8192/bfloat16/nt"),
+        ("gemm/odd-4097/float16/nt", "gemm/odd-4097/bfloat16/nt"),
         ("attention/q4096-kv1000/float16/causal", "attention/q4096-kv1000/bfloat16/causal"),  # the auto schedule
         ("decode/llama8b-b8-c32k/float16/bottom-right", "decode/llama8b-b8-c32k/bfloat16/bottom-right"),
     ],
