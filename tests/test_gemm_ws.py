@@ -175,3 +175,96 @@ def test_values_against_float64(m: int, n: int, k: int, layout: str, cfg: dict[s
     assert torch.isfinite(out).all(), "a tile of C was never written"
     err = float((out.double() - exact).norm() / exact.norm())
     assert err < 8e-3, err
+
+
+# kernels.swiglu's prefill form of the schedule (`swiglu_program`): gate and up rows of the stacked
+# weight in two boxes a stage, two accumulators a consumer, silu(gate)·up written once.
+SWIGLU = {"block_N": 128, "block_K": 64, "num_stages": 4, "epilogue": "smem", "workers": 132}
+
+
+def _swiglu_source(m: int, hidden: int, inter: int, cfg: dict[str, Any]) -> str:
+    import tilelang
+    import tvm
+    from tilelang.engine.lower import lower
+
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90a"})
+    with tvm.transform.PassContext(opt_level=3, config={tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True}), target:
+        prog = ws.swiglu_program(m, hidden, inter, "bfloat16", cfg)
+        return str(lower(prog, target=target, enable_host_codegen=True).kernel_source)
+
+
+@pytest.mark.parametrize(("stages", "epilogue"), [(4, "smem"), (3, "direct")])
+def test_swiglu_compiles_with_both_gemms_of_a_k_step_in_flight(tmp_path: Path, stages: int, epilogue: str) -> None:
+    """Each consumer issues a k-step's gate and up wgmmas (two commit groups), waits with both in
+    flight (wait_wgmma<2>: the k-step before is done) and only then frees that stage; the up rows
+    come `inter` rows down the stacked weight, on their own full barriers; ptxas keeps it all async."""
+    src = _swiglu_source(4096, 4096, 14336, SWIGLU | {"num_stages": stages, "epilogue": epilogue})
+    assert len(re.findall(r"wait_wgmma<2>\(\);\s*empty\[[^\]]+\]\.arrive\(\);", src)) == 2, "no k-step in flight"
+    assert "wait_wgmma<1>" not in src
+    # Four boxes a stage (A's two halves, gate, up): 4 x stages full barriers of one arrival each.
+    assert f"full[{4 * stages - 1}].init(1);" in src and f"full[{4 * stages}]" not in src
+    assert "expf" in src and ("tma_store" in src) == (epilogue == "smem")
+    for acc in ("acc0", "u0", "acc1", "u1"):  # both accumulators of both consumers cleared by their first wgmma
+        assert re.search(rf"\(\(uint32_t\*\)\({acc} \+ 0\)\), \(\(0 < ki(_\d+)?\) \? 1 : 0\)\)", src), acc
+    assert_wgmmas_in_flight(src, tmp_path, "ws_swiglu", fast_math=True)
+
+
+@pytest.mark.parametrize(
+    ("m", "hidden", "inter", "cfg", "says"),
+    [
+        (4096, 4096, 14336, {"block_N": 256}, "block_N 128"),
+        (4096, 4096, 14336, {"pingpong": 1}, "no ping-pong"),
+        (4096, 4096, 14400, {}, "N of block_N=128"),
+        (4096, 4096, 14336, {"num_stages": 5}, "over the 227 KiB"),
+        (4096, 262144, 4096, {}, "2^31 elements"),  # the stacked weight: 2 x inter x hidden
+    ],
+)
+def test_swiglu_domain_is_refused_in_one_line(m: int, hidden: int, inter: int, cfg: dict[str, Any], says: str) -> None:
+    with pytest.raises(ValueError) as exc:
+        ws.swiglu_program(m, hidden, inter, "bfloat16", SWIGLU | cfg)
+    assert says in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
+
+
+def test_sm90_pins_the_swiglu_form_on_prefill_inside_its_domain_and_sm80_never_gets_it() -> None:
+    """The matrix's prefill SwiGLU (4096 tokens) gets the gated ws form inside its domain, and the
+    framework op still ships there; the decode sizes and odd shapes keep their schedules."""
+    facts = operator_module("swiglu").facts
+    pinned = set()
+    for c in cases.expand(matrix.load(), "swiglu/*"):
+        m, hidden, inter = (c.dims[d] for d in ("m", "hidden", "inter"))
+        for device in ("sm90", "sm80"):
+            ch = _config.choose(device, "swiglu", facts(m, hidden, inter, c.dtype))
+            assert ch is not None, (device, c.id)
+            if ch.config.get("schedule") == "ws":
+                assert device == "sm90", c.id
+                ws.check(m, inter, hidden, "nt", ch.config, gated=True)
+                assert ch.backend == "framework", c.id
+                pinned.add(c.id)
+    assert pinned == {f"swiglu/llama8b-t4096/{dt}/stacked" for dt in ("float16", "bfloat16")}, sorted(pinned)
+
+
+@pytest.mark.skipif(not SM90, reason="no sm90 GPU: the ws schedule's values need one")
+@pytest.mark.parametrize(
+    ("m", "hidden", "inter", "cfg"),
+    [
+        (256, 512, 384, {"workers": 3}),  # 6 tiles on 3 blocks: two rounds each, 8 k-steps on 4 stages
+        (384, 320, 256, {"workers": 132, "num_stages": 3, "epilogue": "direct"}),  # 6 tiles, most blocks idle
+        (1024, 1024, 1280, {"workers": 7}),  # 80 tiles: a short last round
+    ],
+)
+def test_swiglu_values_against_float64(m: int, hidden: int, inter: int, cfg: dict[str, Any]) -> None:
+    import tilelang
+
+    g = torch.Generator(device="cuda").manual_seed(m + hidden + inter)
+    x = torch.randn(m, hidden, generator=g, device="cuda").to(torch.bfloat16)
+    w = (torch.randn(2 * inter, hidden, generator=g, device="cuda") * hidden**-0.5).to(torch.bfloat16)
+    prog = ws.swiglu_program(m, hidden, inter, "bfloat16", SWIGLU | cfg)
+    kernel = tilelang.compile(prog, target=_config.target("sm90"))
+    out = torch.full((m, inter), float("nan"), device="cuda", dtype=torch.bfloat16)
+    kernel(x, w, out)
+    torch.cuda.synchronize()
+    h = x.double() @ w.double().t()
+    exact = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+    assert torch.isfinite(out).all(), "a tile of the output was never written"
+    err = float((out.double() - exact).norm() / exact.norm())
+    assert err < 8e-3, err  # matrix.toml's swiglu rel_fro for bf16

@@ -1,5 +1,6 @@
 """A persistent, warp-specialized GEMM for sm_90a, scheduled by hand (issue 21): `schedule = "ws"`,
-pinned nowhere yet; `scripts/gemm-ws-probe.py` checks and measures it before any rule may.
+the TileLang kernel of sm90's prefill GEMMs; `scripts/gemm-ws-probe.py` checks and measures its
+variants.
 
 Why: the pinned kernel (kernels.gemm, TileLang's automatic pipeline) runs at 0.967x torch.matmul on
 the representative shapes, and the SASS shows the k-loop is not where the gap is: each tile pays
@@ -34,6 +35,12 @@ ran 4-6% slower (session 5). Here nothing is automatic:
 Knobs: block_N (128 or 256), num_stages, epilogue, pingpong, workers (resident blocks: the SM
 count, 132 on the H100 SXM and the H200), panel.
 
+kernels.swiglu takes the same schedule for prefill (`swiglu_program`, issue 20): the producer loads
+a tile's gate rows and up rows of the stacked weight (block_N of each, two TMA boxes a stage), each
+consumer issues two wgmmas a k-step into its gate and up accumulators (64 x block_N each: with
+block_N 128, the registers of one 64 x 256) and waits with two groups in flight; the epilogue writes
+silu(gate)·up, so that the (m, 2·inter) projection is never stored nor read back.
+
 The domain is what the probe needs, said and refused outside it: nt (nn.Linear's layout) and nn, M a
 multiple of 128, N of block_N, K of block_K (the TMA boxes and the stores have no bounds), K at least
 two k-steps.
@@ -46,8 +53,9 @@ ROWS = 64  # rows of C a consumer warpgroup: one wgmma's M
 BM = 2 * ROWS  # rows of C a tile
 
 
-def check(m: int, n: int, k: int, layout: str, cfg: dict[str, Any]) -> None:
-    """Refuses a shape or config outside the kernel's domain, in one line."""
+def check(m: int, n: int, k: int, layout: str, cfg: dict[str, Any], gated: bool = False) -> None:
+    """Refuses a shape or config outside the kernel's domain, in one line (`gated`: the SwiGLU form,
+    N the output's columns, B the (2N, K) stacked weight)."""
     bn, bk, st = int(cfg["block_N"]), int(cfg["block_K"]), int(cfg["num_stages"])
     workers, panel = int(cfg.get("workers", 132)), int(cfg.get("panel", 8))
     epi = cfg.get("epilogue", "direct")
@@ -62,6 +70,11 @@ def check(m: int, n: int, k: int, layout: str, cfg: dict[str, Any]) -> None:
         )
     if workers < 1 or panel < 1 or epi not in ("direct", "smem"):
         raise ValueError(f"gemm ws: workers={workers}, panel={panel}, epilogue={epi!r}: positive, 'direct' or 'smem'")
+    if gated and (bn != 128 or cfg.get("pingpong", 0) or layout != "nt"):
+        raise ValueError(
+            f"swiglu ws: block_N={bn}, pingpong={cfg.get('pingpong', 0)}, layout {layout!r}: block_N 128 "
+            "(gate and up, 64 x 128 fp32 each: one 64 x 256 accumulator's registers), no ping-pong, nt"
+        )
     if (pp := cfg.get("pingpong", 0)) not in (0, 1) or (pp and bn != 128):
         raise ValueError(
             f"gemm ws: pingpong={pp!r}: 0, or 1 with block_N=128 (a 128 x 256 fp32 tile is 256 registers a thread)"
@@ -72,9 +85,10 @@ def check(m: int, n: int, k: int, layout: str, cfg: dict[str, Any]) -> None:
         raise ValueError(
             f"gemm ws: {m}x{n}x{k}: M a multiple of {BM}, N of block_N={bn}, K of block_K={bk} and at least {2 * bk}"
         )
-    if max(m * n, m * k, n * k) >= 2**31:  # TileLang indexes in int32: a larger operand fails its lowering
+    # TileLang indexes in int32: a larger operand fails its lowering.
+    if max(m * n, m * k, (2 if gated else 1) * n * k) >= 2**31:
         raise ValueError(f"gemm ws: {m}x{n}x{k}: an operand of 2^31 elements or more (int32 indexing)")
-    ring = st * (BM * bk + bn * bk) * 2
+    ring = st * (BM * bk + (2 if gated else 1) * bn * bk) * 2
     epi_bytes = (2 if pp else 1) * BM * bn * 2 if epi == "smem" else 0  # ping-pong: a whole tile a consumer
     if ring + epi_bytes > 227 * 1024:
         raise ValueError(
@@ -94,16 +108,28 @@ def tile_coords(t: Any, m_tiles: int, n_tiles: int, panel: int, minimum: Any = m
 
 
 def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]) -> Any:
+    """The TileLang prim_func of C = A·Bᵀ (nt) or A·B (nn) for one static shape."""
+    check(m, n, k, layout, cfg)
+    return _persistent(m, n, k, layout, dtype, cfg, gated=False)
+
+
+def swiglu_program(m: int, hidden: int, inter: int, dtype: str, cfg: dict[str, Any]) -> Any:
+    """The same schedule for kernels.swiglu: out = silu(x·W_gateᵀ) * (x·W_upᵀ), W = [W_gate; W_up]
+    (2·inter, hidden); a tile's gate and up columns from one pass over x's rows."""
+    check(m, inter, hidden, "nt", cfg, gated=True)
+    return _persistent(m, inter, hidden, "nt", dtype, cfg, gated=True)
+
+
+def _persistent(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any], gated: bool) -> Any:
     import tilelang.language as T
 
-    check(m, n, k, layout, cfg)
     bn, bk, stages = int(cfg["block_N"]), int(cfg["block_K"]), int(cfg["num_stages"])
     workers, panel = int(cfg.get("workers", 132)), int(cfg.get("panel", 8))
     smem_epilogue = cfg.get("epilogue", "direct") == "smem"
     pingpong = bool(cfg.get("pingpong", 0))
     rows = BM if pingpong else ROWS  # rows of C a consumer computes: its own tile, or its half of one
     nt = layout == "nt"
-    b_shape = (n, k) if nt else (k, n)
+    b_shape = (2 * n if gated else n, k) if nt else (k, n)
     b_stage = (stages, bn, bk) if nt else (stages, bk, bn)
     m_tiles, n_tiles, k_steps = m // BM, n // bn, k // bk
     tiles = m_tiles * n_tiles
@@ -113,6 +139,9 @@ def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]
     # box of 128 rows with ping-pong, else one of 64 rows a consumer), then B's.
     a_boxes = 1 if pingpong else 2
     b_bar = a_boxes * stages
+    u_bar = b_bar + stages  # the up rows' box (gated)
+    # wgmma groups a k-step (one a gemm call): waiting with that many in flight retires the k-step before.
+    groups = 2 if gated else 1
 
     def coords(t: Any) -> tuple[Any, Any]:
         return tile_coords(t, m_tiles, n_tiles, panel, T.min)
@@ -123,7 +152,7 @@ def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]
         return i % 2 == w if pingpong else True
 
     @T.macro
-    def producer(A: Any, B: Any, a0: Any, a1: Any, b_s: Any, full: Any, empty: Any, bid: Any) -> None:
+    def producer(A: Any, B: Any, a0: Any, a1: Any, b_s: Any, u_s: Any, full: Any, empty: Any, bid: Any) -> None:
         for i in T.serial(rounds):
             t = bid + i * workers
             if t < tiles:
@@ -148,9 +177,14 @@ def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]
                     else:
                         src = B[k0 : k0 + bk, bx * bn : bx * bn + bn]
                     T.tma_copy(src, b_s[st, :, :], barrier=full[b_bar + st], annotations=arrive)
+                    if gated:  # the same columns' up rows, `n` rows further down the stacked weight
+                        up = B[n + bx * bn : n + bx * bn + bn, k0 : k0 + bk]
+                        T.tma_copy(up, u_s[st, :, :], barrier=full[u_bar + st], annotations=arrive)
 
     @T.macro
-    def consumer(w: int, C: Any, a_w: Any, b_s: Any, acc: Any, c_s: Any, full: Any, empty: Any, bid: Any) -> None:
+    def consumer(
+        w: int, C: Any, a_w: Any, b_s: Any, u_s: Any, acc: Any, acc_u: Any, c_s: Any, full: Any, empty: Any, bid: Any
+    ) -> None:
         a_bar = 0 if pingpong else w * stages
         for i in T.serial(rounds):
             t = bid + i * workers
@@ -164,13 +198,19 @@ def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]
                 T.mbarrier_wait_parity(full[a_bar + st0], ph0)
                 T.mbarrier_wait_parity(full[b_bar + st0], ph0)
                 T.wgmma_gemm(a_w[st0, :, :], b_s[st0, :, :], acc, transpose_B=nt, clear_accum=True)
+                if gated:
+                    T.mbarrier_wait_parity(full[u_bar + st0], ph0)
+                    T.wgmma_gemm(a_w[st0, :, :], u_s[st0, :, :], acc_u, transpose_B=nt, clear_accum=True)
                 for jj in T.serial(k_steps - 1):
                     g = g0 + jj + 1
                     st, ph = g % stages, (g // stages) & 1
                     T.mbarrier_wait_parity(full[a_bar + st], ph)
                     T.mbarrier_wait_parity(full[b_bar + st], ph)
                     T.wgmma_gemm(a_w[st, :, :], b_s[st, :, :], acc, transpose_B=nt)
-                    T.wait_wgmma(1)  # k-step g-1 done: its stage may be loaded again
+                    if gated:
+                        T.mbarrier_wait_parity(full[u_bar + st], ph)
+                        T.wgmma_gemm(a_w[st, :, :], u_s[st, :, :], acc_u, transpose_B=nt)
+                    T.wait_wgmma(groups)  # k-step g-1 done: its stage may be loaded again
                     T.mbarrier_arrive(empty[(g - 1) % stages])
                 if pingpong and bid + (i + 1) * workers < tiles:
                     # The other consumer's turn: it waits on the full barriers only from here, where
@@ -182,6 +222,10 @@ def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]
                 T.wait_wgmma(0)
                 T.mbarrier_arrive(empty[(g0 + k_steps - 1) % stages])
                 r0 = by * BM + (0 if pingpong else w * ROWS)
+                if gated:
+                    for i0, j0 in T.Parallel(rows, bn):
+                        # silu(g) * u in fp32, rounded once (as kernels.swiglu's tiled epilogue).
+                        acc[i0, j0] = acc[i0, j0] / (1.0 + T.exp(-acc[i0, j0])) * acc_u[i0, j0]
                 if smem_epilogue:
                     T.copy(acc, c_s)
                     T.copy(c_s, C[r0 : r0 + rows, bx * bn : bx * bn + bn])
@@ -199,23 +243,26 @@ def program(m: int, n: int, k: int, layout: str, dtype: str, cfg: dict[str, Any]
             a0 = T.alloc_shared((stages, rows, bk), dtype)
             a1 = a0 if pingpong else T.alloc_shared((stages, ROWS, bk), dtype)
             b_s = T.alloc_shared(b_stage, dtype)
+            u_s = T.alloc_shared(b_stage, dtype) if gated else None
             # Each consumer its own fragment (TileLang lays one out for the threads that use it).
             acc0 = T.alloc_fragment((rows, bn), "float32")
             acc1 = T.alloc_fragment((rows, bn), "float32")
+            u0 = T.alloc_fragment((rows, bn), "float32") if gated else None
+            u1 = T.alloc_fragment((rows, bn), "float32") if gated else None
             c0 = T.alloc_shared((rows, bn), dtype) if smem_epilogue else None
             c1 = T.alloc_shared((rows, bn), dtype) if smem_epilogue else None
-            full = T.alloc_barrier([1] * ((a_boxes + 1) * stages))
+            full = T.alloc_barrier([1] * ((a_boxes + groups) * stages))
             # A stage is released by every thread that read it: both consumers', or its tile's one.
             empty = T.alloc_barrier([128 if pingpong else 256] * stages)
             tid = T.get_thread_binding()
             if tid >= 256:
                 T.set_max_nreg(40, 0)
-                producer(A, B, a0, a1, b_s, full, empty, bid)
+                producer(A, B, a0, a1, b_s, u_s, full, empty, bid)
             elif tid < 128:
                 T.set_max_nreg(232, 1)
-                consumer(0, C, a0, b_s, acc0, c0, full, empty, bid)
+                consumer(0, C, a0, b_s, u_s, acc0, u0, c0, full, empty, bid)
             else:
                 T.set_max_nreg(232, 1)
-                consumer(1, C, a1, b_s, acc1, c1, full, empty, bid)
+                consumer(1, C, a1, b_s, u_s, acc1, u1, c1, full, empty, bid)
 
     return main

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import _config, _dispatch
-from kernels.gemm import gemv
+from kernels.gemm import gemv, ws
 
 DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -20,11 +20,14 @@ DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 def program(m: int, hidden: int, inter: int, dtype: str, cfg: dict[str, Any]) -> Any:
     """The TileLang prim_func for one static shape; `cfg` holds tile sizes, stages and threads, or
     `schedule = "gemv"` and that schedule's knobs (kernels/gemm/gemv.py: a few rows, both halves of
-    the weight streamed, silu(gate)·up as each column's sums land)."""
+    the weight streamed, silu(gate)·up as each column's sums land), or `schedule = "ws"`
+    (kernels/gemm/ws.py: prefill, persistent and warp-specialized, sm_90a only)."""
     if (schedule := cfg.get("schedule", "auto")) == "gemv":
         return gemv.swiglu_program(m, hidden, inter, dtype, cfg)
+    if schedule == "ws":
+        return ws.swiglu_program(m, hidden, inter, dtype, cfg)
     if schedule != "auto":
-        raise ValueError(f"swiglu: schedule {schedule!r} is 'auto' (the tiled kernel) or 'gemv'")
+        raise ValueError(f"swiglu: schedule {schedule!r} is 'auto' (the tiled kernel), 'gemv' or 'ws'")
     import tilelang.language as T
 
     bm, bn, bk = cfg["block_M"], cfg["block_N"], cfg["block_K"]

@@ -80,9 +80,9 @@ class Swiglu(Operator):
         return torch.nn.functional.silu(gate) * up
 
     def repro_modules(self) -> list[ModuleType]:
-        from kernels.gemm import gemv
+        from kernels.gemm import gemv, ws
 
-        return [gemv]
+        return [gemv, ws]
 
     def repro_code(self) -> str:
         return """
