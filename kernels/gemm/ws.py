@@ -92,7 +92,8 @@ def check(m: int, n: int, k: int, layout: str, cfg: dict[str, Any], gated: bool 
     epi_bytes = (2 if pp else 1) * BM * bn * 2 if epi == "smem" else 0  # ping-pong: a whole tile a consumer
     if ring + epi_bytes > 227 * 1024:
         raise ValueError(
-            f"gemm ws: {st} stages of {BM}x{bk} + {bn}x{bk}{' and the smem epilogue' if epi_bytes else ''} "
+            f"gemm ws: {st} stages of {BM}x{bk} + {'2 x ' if gated else ''}{bn}x{bk}"
+            f"{' and the smem epilogue' if epi_bytes else ''} "
             f"need {(ring + epi_bytes) // 1024} KiB of shared memory, over the 227 KiB of an sm90 block"
         )
 
