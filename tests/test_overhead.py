@@ -21,9 +21,30 @@ from tilepilot import evidence, measure, overhead, record, registry
 NO_GPU = not torch.cuda.is_available()
 
 
-def test_added_is_shipped_minus_direct() -> None:
-    assert overhead.added(67.0, 25.0) == {"shipped": 67.0, "direct": 25.0, "added": 42.0}
-    assert overhead.added(24.5, 25.0)["added"] == -0.5  # noise may go below zero: kept as measured
+def test_added_is_the_median_of_the_pairs_differences_with_its_interval() -> None:
+    # Each pair's two samples share the moment's drift (here 0 to 90 µs, far more than the 1.5 µs the
+    # shipped side adds): the pairs' differences cancel it, where a difference of the sides' own
+    # medians would carry whatever drift their middles happened to meet.
+    drift = [float((7 * i) % 91) for i in range(40)]
+    got = overhead.paired([d + 26.5 for d in drift], [d + 25.0 for d in drift])
+    assert got["added"] == 1.5 and got["added_ci95"] == [1.5, 1.5] and got["pairs"] == 40
+    assert got["shipped"] - got["direct"] == pytest.approx(1.5)
+    # Noise may put it below zero: kept as measured.
+    assert overhead.paired([24.5], [25.0])["added"] == -0.5
+
+
+def test_the_median_interval_is_the_order_statistics_around_the_middle() -> None:
+    assert overhead.median_interval([float(v) for v in range(100)]) == (39.0, 60.0)  # ranks 40 and 61 of 100
+    assert overhead.median_interval([float(v) for v in range(15)][::-1]) == (2.0, 12.0)  # ranks 3 and 13, unsorted in
+    assert overhead.median_interval([3.0]) == (3.0, 3.0)  # too few to say more: the whole range
+    assert overhead.median_interval([1.0, 9.0, 4.0]) == (1.0, 9.0)
+
+
+def test_samples_that_do_not_pair_are_refused_in_one_line() -> None:
+    for shipped, direct in (([1.0, 2.0], [1.0]), ([], [])):
+        with pytest.raises(ValueError, match="pairs needed") as exc:
+            overhead.paired(shipped, direct)
+        assert "\n" not in str(exc.value)
 
 
 def _spin(us: float) -> None:
@@ -41,9 +62,10 @@ def test_time_pair_times_both_ways_and_subtracts() -> None:
     got = overhead.time_pair(lambda: _spin(60), lambda: _spin(10), sync, calls=20, rounds=5, singles=20, warmup=2)
     assert set(got) == {"back_to_back_us", "single_us", "method"}
     assert got["method"] == {"calls": 20, "rounds": 5, "singles": 20, "warmup": 2}
-    for way in ("back_to_back_us", "single_us"):
+    for way, pairs in (("back_to_back_us", 5), ("single_us", 20)):
         side = got[way]
-        assert side["added"] == side["shipped"] - side["direct"]
+        lo, hi = side["added_ci95"]
+        assert side["pairs"] == pairs and lo <= side["added"] <= hi, side
         assert side["direct"] >= 10 and side["shipped"] >= 60 and side["added"] > 25, side
     # One sync after the warm-up, two per back-to-back batch and per single call, both sides.
     assert synced[0] == 1 + 2 * 2 * 5 + 2 * 2 * 20

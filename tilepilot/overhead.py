@@ -2,20 +2,27 @@
 (kernels.<op>, the configs deciding) adds to calling the framework op directly.
 
 One small case per operator (the harness's overhead_case: decode-sized, where host time shows), two
-ways, the two sides interleaved so that drift hits both alike:
+ways, the two sides timed in pairs, back to back and in alternating order, so that drift and the
+GPU's state after a sync hit both alike:
 
-  back_to_back_us  `calls` calls in a row, CUDA-synchronised before and after, per call; the median
-                   of `rounds` such batches. What a model's step pays while the GPU keeps up.
-  single_us        one call on an idle GPU, synchronised before and after; the median of `singles`.
+  back_to_back_us  `calls` calls in a row, CUDA-synchronised before and after, per call; a pair a
+                   round, `rounds` rounds. What a model's step pays while the GPU keeps up.
+  single_us        one call on an idle GPU, synchronised before and after; `singles` pairs.
 
 `direct` is the operator's fallback_call: the framework call the shipped path makes where the
-config keeps the framework op. `added` = shipped - direct, in µs, for both: lower is better, 0 is "a dispatch that costs nothing"
-(it may come out a little negative: the noise). The record is the measure record's "overhead" key
-(measure-<op>.json); without a CUDA device the measurement is skipped with its reason, never faked.
+config keeps the framework op. `added`, in µs, for both ways, is the median of the pairs'
+differences (shipped - direct), with its 95% interval from the order statistics (no assumption on
+the distribution): lower is better, 0 is "a dispatch that costs nothing". The difference of two
+medians of unpaired samples swung from -1.3 to +5.9 µs between two H100 pilots of the same
+attention path (f0f3762, e809899); an interval that holds 0 or the 2 µs goal says the run cannot
+tell. `shipped` and `direct` are each side's median. The record is the measure record's "overhead"
+key (measure-<op>.json); without a CUDA device the measurement is skipped with its reason, never
+faked.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -39,40 +46,68 @@ def case_for(op: Operator) -> Case:
     return min(mine, key=op.bytes)
 
 
-def added(shipped_us: float, direct_us: float) -> dict[str, float]:
-    """One way's three numbers: each side's median per-call µs and what the shipped path adds."""
-    return {"shipped": shipped_us, "direct": direct_us, "added": shipped_us - direct_us}
+def median_interval(values: list[float], z: float = 1.96) -> tuple[float, float]:
+    """The ~95% (z = 1.96) interval of the median from the order statistics: the values of ranks
+    n/2 -+ z·sqrt(n)/2 of the sorted samples, whatever their distribution (the whole range when n
+    is too small to say more)."""
+    v, n = sorted(values), len(values)
+    half = z * math.sqrt(n) / 2
+    lo, hi = math.floor(n / 2 - half), math.ceil(1 + n / 2 + half)  # 1-based ranks
+    return v[max(lo, 1) - 1], v[min(hi, n) - 1]
+
+
+def paired(shipped_us: list[float], direct_us: list[float]) -> dict[str, Any]:
+    """One way's numbers from its pairs of samples (µs a call): each side's median, and what the
+    shipped path adds: the median of the pairs' differences and its 95% interval."""
+    if not shipped_us or len(shipped_us) != len(direct_us):
+        raise ValueError(f"overhead: {len(shipped_us)} shipped and {len(direct_us)} direct samples: pairs needed")
+    diffs = [s - d for s, d in zip(shipped_us, direct_us, strict=True)]
+    lo, hi = median_interval(diffs)
+    return {
+        "shipped": statistics.median(shipped_us),
+        "direct": statistics.median(direct_us),
+        "added": statistics.median(diffs),
+        "added_ci95": [lo, hi],
+        "pairs": len(diffs),
+    }
 
 
 def skipped(reason: str, case: str | None = None) -> dict[str, Any]:
     return {"skipped": reason, **({"case": case} if case else {})}
 
 
+def _in_turn(fns: dict[str, Callable[[], Any]], i: int) -> list[tuple[str, Callable[[], Any]]]:
+    """Pair i's order: one side first in even pairs, the other in odd ones (whichever goes second
+    finds the CPU's caches and the GPU's clocks as the first left them)."""
+    order = list(fns.items())
+    return order if i % 2 == 0 else order[::-1]
+
+
 def _back_to_back(
     fns: dict[str, Callable[[], Any]], sync: Callable[[], None], calls: int, rounds: int
-) -> dict[str, float]:
+) -> dict[str, list[float]]:
     per_call: dict[str, list[float]] = {side: [] for side in fns}
-    for _ in range(rounds):
-        for side, fn in fns.items():
+    for r in range(rounds):
+        for side, fn in _in_turn(fns, r):
             sync()
             t = time.perf_counter()
             for _ in range(calls):
                 fn()
             sync()
             per_call[side].append((time.perf_counter() - t) / calls * 1e6)
-    return {side: statistics.median(v) for side, v in per_call.items()}
+    return per_call
 
 
-def _single(fns: dict[str, Callable[[], Any]], sync: Callable[[], None], singles: int) -> dict[str, float]:
+def _single(fns: dict[str, Callable[[], Any]], sync: Callable[[], None], singles: int) -> dict[str, list[float]]:
     each: dict[str, list[float]] = {side: [] for side in fns}
-    for _ in range(singles):
-        for side, fn in fns.items():
+    for i in range(singles):
+        for side, fn in _in_turn(fns, i):
             sync()
             t = time.perf_counter()
             fn()
             sync()
             each[side].append((time.perf_counter() - t) * 1e6)
-    return {side: statistics.median(v) for side, v in each.items()}
+    return each
 
 
 def time_pair(
@@ -93,8 +128,8 @@ def time_pair(
     b2b = _back_to_back(fns, sync, calls, rounds)
     one = _single(fns, sync, singles)
     return {
-        "back_to_back_us": added(b2b["shipped"], b2b["direct"]),
-        "single_us": added(one["shipped"], one["direct"]),
+        "back_to_back_us": paired(b2b["shipped"], b2b["direct"]),
+        "single_us": paired(one["shipped"], one["direct"]),
         "method": {"calls": calls, "rounds": rounds, "singles": singles, "warmup": warmup},
     }
 
