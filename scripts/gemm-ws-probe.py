@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _probe
 
 # (id, m, n, k): matrix.toml's representative prefill GEMMs.
 SHAPES = {
@@ -54,12 +55,6 @@ def variant(v: str) -> dict[str, Any]:
     bn, st, epi, pp, panel = hit.groups()
     cfg = {"schedule": "ws", "block_N": int(bn), "block_K": 64, "num_stages": int(st), "pingpong": int(bool(pp))}
     return cfg | {"epilogue": "smem" if epi == "s" else "direct", "panel": int(panel or 8), "label": f"ws-{v}"}
-
-
-def write(path: Path, doc: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=str))
-    os.replace(tmp, path)
 
 
 def main() -> int:
@@ -136,29 +131,14 @@ def main() -> int:
             except Exception as exc:  # a compile, domain or launch failure is this variant's result
                 entry["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
             case[name] = entry
-        t = timing.sample_many(fns, flush, clocks)
-        for name, r in t.items():
-            side = case.setdefault(name, {"variant": name})
-            side.update(us=r["median_ms"] * 1e3, noise=r.get("noise"), tflops=flops / (r["median_ms"] * 1e-3) / 1e12)
-            side["vs_torch"] = t["torch"]["median_ms"] / r["median_ms"]
-            side["vs_pinned"] = t["pinned"]["median_ms"] / r["median_ms"]
+        _probe.annotate(case, timing.sample_many(fns, flush, clocks), flops, ("torch", "pinned"))
         doc["cases"].append(case)
-        write(args.out, doc)
-        brief = {
-            key: {x: val.get(x) for x in ("us", "vs_torch", "rel_err", "error")}
-            for key, val in case.items()
-            if isinstance(val, dict)
-        }
-        print(case["case"], json.dumps(brief), flush=True)
+        _probe.write(args.out, doc)
+        print(_probe.line(case, ("us", "vs_torch", "rel_err", "error")), flush=True)
     # Per variant: the geometric mean over the cases it passed, and how many it did not.
-    summary: dict[str, Any] = {}
-    for name in ["pinned", *(c["label"] for c in variants)]:
-        ratios = [c[name]["vs_torch"] for c in doc["cases"] if "vs_torch" in c.get(name, {})]
-        gm = math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else None
-        summary[name] = {"geomean_vs_torch": gm, "timed": len(ratios), "not_timed": len(doc["cases"]) - len(ratios)}
-    doc["summary"] = summary
-    write(args.out, doc)
-    print("summary", json.dumps(summary), flush=True)
+    doc["summary"] = _probe.summary(doc["cases"], ["pinned", *(c["label"] for c in variants)], "vs_torch")
+    _probe.write(args.out, doc)
+    print("summary", json.dumps(doc["summary"]), flush=True)
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
@@ -26,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _probe
 
 HIDDEN, INTER = 4096, 14336
 TOLERANCE = {"float16": 1e-3, "bfloat16": 8e-3}  # matrix.toml's rel_fro for swiglu
@@ -40,12 +41,6 @@ def variant(v: str) -> dict[str, Any]:
     st, epi = hit.groups()
     cfg = {"schedule": "ws", "block_M": 128, "block_N": 128, "block_K": 64, "num_stages": int(st), "threads": 384}
     return cfg | {"epilogue": "smem" if epi == "s" else "direct", "label": f"ws-{v}"}
-
-
-def write(path: Path, doc: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=str))
-    os.replace(tmp, path)
 
 
 def main() -> int:
@@ -126,29 +121,13 @@ def main() -> int:
                     entry["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
                 case[name] = entry
             del exact
-            t = timing.sample_many(fns, flush, clocks)
-            for name, r in t.items():
-                side = case.setdefault(name, {"variant": name})
-                us = r["median_ms"] * 1e3
-                side.update(us=us, noise=r.get("noise"), tflops=flops / (us * 1e-6) / 1e12)
-                side["vs_eager"] = t["eager"]["median_ms"] / r["median_ms"]
-                side["vs_compiled"] = t["compiled"]["median_ms"] / r["median_ms"]
+            _probe.annotate(case, timing.sample_many(fns, flush, clocks), flops, ("eager", "compiled"))
             doc["cases"].append(case)
-            write(args.out, doc)
-            brief = {
-                key: {x: val.get(x) for x in ("us", "vs_eager", "vs_compiled", "rel_err", "error")}
-                for key, val in case.items()
-                if isinstance(val, dict)
-            }
-            print(case["case"], json.dumps(brief), flush=True)
-    summary: dict[str, Any] = {}
-    for name in ["pinned", *(c["label"] for c in variants)]:
-        ratios = [c[name]["vs_compiled"] for c in doc["cases"] if "vs_compiled" in c.get(name, {})]
-        gm = math.exp(sum(math.log(r) for r in ratios) / len(ratios)) if ratios else None
-        summary[name] = {"geomean_vs_compiled": gm, "timed": len(ratios), "not_timed": len(doc["cases"]) - len(ratios)}
-    doc["summary"] = summary
-    write(args.out, doc)
-    print("summary", json.dumps(summary), flush=True)
+            _probe.write(args.out, doc)
+            print(_probe.line(case, ("us", "vs_eager", "vs_compiled", "rel_err", "error")), flush=True)
+    doc["summary"] = _probe.summary(doc["cases"], ["pinned", *(c["label"] for c in variants)], "vs_compiled")
+    _probe.write(args.out, doc)
+    print("summary", json.dumps(doc["summary"]), flush=True)
     return 0
 
 
